@@ -1,0 +1,148 @@
+"""stagingloader: stage datasets onto node-local fast storage, verified, and feed GPUs from it.
+
+Importing this package loads neither torch, DALI nor s3fs; they load when used.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, overload
+
+from .dataset import StagedDataset, StageReport, VerifyReport
+from .errors import (
+    DatasetNotFoundError,
+    LockTimeoutError,
+    ManifestError,
+    MissingDependencyError,
+    NoSpaceError,
+    RootError,
+    SourceAccessError,
+    SourceError,
+    SourceNotFoundError,
+    StagingError,
+    UnsafePathError,
+    UsageError,
+    VerificationError,
+)
+from .manifest import Manifest
+from .stager import StageOptions, StagePlan
+from .verify import verify
+
+__version__ = "0.1.0"
+
+
+@overload
+def stage(
+    src: str,
+    root: str = "auto",
+    *,
+    storage_options: dict[str, Any] | None = None,
+    endpoint_url: str | None = None,
+    workers: int | None = None,
+    verify: str = "fast",
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    fsync: bool | None = None,
+    max_ram_fraction: float = 0.5,
+    lock_timeout: float | None = 3600.0,
+    dry_run: Literal[False] = False,
+    shard: tuple[int, int] | None = None,
+    lease: str | None = None,
+    callback: Any = None,
+    on_event: Callable[[str], None] | None = None,
+) -> StagedDataset: ...
+
+
+@overload
+def stage(
+    src: str,
+    root: str = "auto",
+    *,
+    storage_options: dict[str, Any] | None = None,
+    endpoint_url: str | None = None,
+    workers: int | None = None,
+    verify: str = "fast",
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    fsync: bool | None = None,
+    max_ram_fraction: float = 0.5,
+    lock_timeout: float | None = 3600.0,
+    dry_run: Literal[True],
+    shard: tuple[int, int] | None = None,
+    lease: str | None = None,
+    callback: Any = None,
+    on_event: Callable[[str], None] | None = None,
+) -> StagePlan: ...
+
+
+def stage(
+    src: str,
+    root: str = "auto",
+    *,
+    storage_options: dict[str, Any] | None = None,
+    endpoint_url: str | None = None,
+    workers: int | None = None,
+    verify: str = "fast",
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    fsync: bool | None = None,
+    max_ram_fraction: float = 0.5,
+    lock_timeout: float | None = 3600.0,
+    dry_run: bool = False,
+    shard: tuple[int, int] | None = None,
+    lease: str | None = None,
+    callback: Any = None,
+    on_event: Callable[[str], None] | None = None,
+) -> StagedDataset | StagePlan:
+    """Stage ``src`` (any fsspec URL) onto node-local storage; block until staged and verified.
+
+    Keyword arguments mirror ``stagingloader stage``'s options.  Returns a
+    :class:`StagedDataset` holding a lease for this process (dropped by ``.release()``, or when
+    the process ends); with ``dry_run=True``, the :class:`StagePlan` instead.  ``callback`` is an
+    fsspec-style progress callback (``set_size``/``relative_update``, in bytes).
+    """
+    from .stager import run_stage
+
+    options = dict(storage_options or {})
+    if endpoint_url:
+        options.setdefault("endpoint_url", endpoint_url)
+    opts = StageOptions(root=root, workers=workers, verify=verify, include=tuple(include), exclude=tuple(exclude),
+                        fsync=fsync, max_ram_fraction=max_ram_fraction, lock_timeout=lock_timeout,
+                        dry_run=dry_run, shard=shard, lease=lease, storage_options=options)
+    return run_stage(src, opts, env=dict(os.environ), callback=callback, on_event=on_event, pid_lease=lease is None)
+
+
+def write_manifest(src: str, dest: str | None = None, *, storage_options: dict[str, Any] | None = None,
+                   workers: int | None = None, callback: Any = None) -> tuple[str, Manifest]:
+    """Hash every file of ``src`` and write a digest manifest next to it (or to ``dest``)."""
+    from .source_manifest import write_source_manifest
+
+    return write_source_manifest(src, dest, storage_options=storage_options, workers=workers, callback=callback)
+
+
+__all__ = [
+    "DatasetNotFoundError",
+    "LockTimeoutError",
+    "Manifest",
+    "ManifestError",
+    "MissingDependencyError",
+    "NoSpaceError",
+    "RootError",
+    "SourceAccessError",
+    "SourceError",
+    "SourceNotFoundError",
+    "StageOptions",
+    "StagePlan",
+    "StageReport",
+    "StagedDataset",
+    "StagingError",
+    "UnsafePathError",
+    "UsageError",
+    "VerificationError",
+    "VerifyReport",
+    "__version__",
+    "stage",
+    "verify",
+    "write_manifest",
+]
