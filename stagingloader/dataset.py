@@ -17,7 +17,7 @@ class StageReport:
     """The summary of one ``stage``: what was copied, reused and repaired, and how fast."""
 
     source: str
-    root: str
+    staging_root: str
     tier: str
     root_reason: str
     dataset_dir: str

@@ -15,11 +15,14 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import xxhash
 
+from . import digest as dg
 from .manifest import Entry
+from .sources import SourceFile
 
 
 def partial_id(rel: str) -> str:
@@ -29,8 +32,8 @@ def partial_id(rel: str) -> str:
 class Incoming:
     """``ROOT/<key>/incoming``: a resumable, not yet published version."""
 
-    FLUSH_EVERY = 256
-    FLUSH_SECONDS = 0.5
+    FLUSH_EVERY = 32
+    FLUSH_SECONDS = 0.1
 
     def __init__(self, path: Path, *, fsync: bool = False) -> None:
         self.path = path
@@ -78,31 +81,47 @@ class Incoming:
             self._last_flush = time.monotonic()
             os.write(self._fd, data)
 
-    def load(self) -> dict[str, Entry]:
-        """Entries of finished files whose staged copy is still there, with its size and mtime."""
-        done: dict[str, Entry] = {}
+    def load(self, listing: Mapping[str, SourceFile]) -> tuple[dict[str, Entry], int]:
+        """Finished files an interrupted run left, and the bytes of the others (to be removed).
+
+        A file is kept when its journal entry, or for a file the journal missed (it is flushed
+        in batches) the current listing, has its size and mtime; the latter is re-hashed here,
+        locally.  Files are under their final names only when whole, so this is safe.
+        """
+        journal: dict[str, Entry] = {}
         try:
             raw = self.journal_path.read_bytes()
         except FileNotFoundError:
-            return done
+            raw = b""
         for line in raw.decode("utf-8", "surrogateescape").splitlines():
             try:
                 path, size, mtime_ns, etag, digest = json.loads(line)
             except (ValueError, TypeError):
                 continue  # a line torn by a kill
-            done[path] = Entry(path, size, mtime_ns, etag, digest)
-        alive = {}
-        for rel, e in done.items():
-            try:
-                st = os.stat(self.data / rel, follow_symlinks=False)
-            except OSError:
-                continue
-            if st.st_size == e.size and st.st_mtime_ns == e.mtime_ns:
-                alive[rel] = e
-        return alive
+            journal[path] = Entry(path, size, mtime_ns, etag, digest)
+        done: dict[str, Entry] = {}
+        stray = 0
+        buf = bytearray(dg.CHUNK)
+        for dirpath, _dirs, names in os.walk(self.data):
+            for name in names:
+                full = os.path.join(dirpath, name)
+                rel = os.path.relpath(full, self.data)
+                st = os.stat(full, follow_symlinks=False)
+                e = journal.get(rel)
+                if e is not None and st.st_size == e.size and st.st_mtime_ns == e.mtime_ns:
+                    done[rel] = e
+                    continue
+                f = listing.get(rel)
+                if e is None and f is not None and f.mtime_ns and (f.size, f.mtime_ns) == (st.st_size, st.st_mtime_ns):
+                    digest, size = dg.hash_file(full, buf)
+                    if size == f.size:
+                        done[rel] = Entry(rel, size, f.mtime_ns, f.etag, digest)
+                        continue
+                stray += st.st_size
+        return done, stray
 
-    def sweep(self, journaled: dict[str, Entry]) -> None:
-        """Remove whole-but-unjournaled files from ``data/`` (copied again) and stale temp files."""
+    def sweep(self, journaled: Mapping[str, Entry]) -> None:
+        """Remove files of ``data/`` not in ``journaled`` (copied again) and stale temp files."""
         for dirpath, _dirs, files in os.walk(self.data):
             for name in files:
                 full = os.path.join(dirpath, name)

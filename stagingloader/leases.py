@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -77,7 +78,7 @@ def take(ddir: DatasetDir, version: str, *, name: str | None = None, pid: int | 
     if name is None:
         if pid is None:
             raise UsageError("a lease needs a name or a pid")
-        name = f"pid-{socket.gethostname()}-{pid}"
+        name = f"pid-{socket.gethostname()}-{pid}-{secrets.token_hex(3)}"
     now = time.time()
     lease = Lease(check_name(name), version, _user(), socket.gethostname(), now, pid,
                   _process_start(pid) if pid is not None else None, now + ttl if ttl else None)

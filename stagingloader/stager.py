@@ -158,8 +158,8 @@ def _stage_locked(source: Source, listing: list[SourceFile], opts: StageOptions,
                 base_bad.setdefault(rel, CORRUPT)
     fsync = (not tier.mount.is_memory) if opts.fsync is None else opts.fsync
     incoming = Incoming(ddir.incoming, fsync=fsync)
-    done = incoming.load() if ddir.incoming.exists() else {}
-    plan = make_plan(listing, base, base_bad=base_bad, incoming=done, free_bytes=tier.budget)
+    done, stray = incoming.load({f.rel: f for f in listing}) if ddir.incoming.exists() else ({}, 0)
+    plan = make_plan(listing, base, base_bad=base_bad, incoming=done, free_bytes=tier.budget + stray)
     if opts.dry_run:
         return StagePlan(source.url, str(tier.path), why, str(ddir.path), plan)
     if not plan.fits:
@@ -189,7 +189,7 @@ def _stage_locked(source: Source, listing: list[SourceFile], opts: StageOptions,
     seconds = time.perf_counter() - t0
     copied = plan.copy if not plan.up_to_date else ()
     report = StageReport(
-        source=source.url, root=str(tier.path), tier=tier.kind, root_reason=why, dataset_dir=str(ddir.path),
+        source=source.url, staging_root=str(tier.path), tier=tier.kind, root_reason=why, dataset_dir=str(ddir.path),
         version=version, files=len(manifest), bytes=manifest.total_bytes,
         copied_files=len(copied), copied_bytes=copier.bytes_copied if copier else 0,
         resumed_bytes=copier.bytes_resumed if copier else 0,
@@ -233,8 +233,9 @@ def _build_version(source: Source, plan: Plan, listing: Sequence[SourceFile], op
     if ddir.incoming.exists():
         incoming.sweep(done)
         incoming.drop(plan.drop)
-    incoming.open()
+    incoming.path.mkdir(exist_ok=True)
     incoming.rewrite_journal(list(plan.keep))
+    incoming.open()
     to_copy = [f for f, _ in plan.copy]
     if plan.link and base_version is not None:
         to_copy += _link_unchanged(ddir.version_dir(base_version) / "data", incoming, plan.link, listing)
@@ -246,8 +247,11 @@ def _build_version(source: Source, plan: Plan, listing: Sequence[SourceFile], op
                     expected=expected, progress=progress, stop=threading.Event())
     try:
         copier.run(to_copy)
-    finally:
-        incoming.close()
+    except BaseException:
+        with contextlib.suppress(OSError):  # e.g. a full disk: the copier's error is the one to report
+            incoming.close()
+        raise
+    incoming.close()
     entries = {e.path: e for e in plan.keep}
     entries.update((e.path, e) for e in incoming.entries)
     missing = [f.rel for f in listing if f.rel not in entries]

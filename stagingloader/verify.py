@@ -71,6 +71,7 @@ def verify(dataset: StagedDataset | str | os.PathLike[str], *, workers: int = 4,
     ``dataset`` is a :class:`StagedDataset` or the path of a staged dataset (its folder, a
     version folder or a ``data/`` folder).  Staging the source again repairs the bad files.
     """
+    version: str | None
     if isinstance(dataset, StagedDataset):
         ddir, version = DatasetDir(dataset.dataset_dir), dataset.version
     else:

@@ -2,10 +2,13 @@
 
 Requests are forwarded byte-for-byte (method, target, all headers including
 Host), so SigV4 signatures made for the proxy's address still validate at the
-target.  Per request, with a seeded RNG, the proxy either answers
-``503 SlowDown``, drops the connection (before forwarding: RST; or after
-forwarding, part-way through the response body), or forwards it.  Every
-response carries ``Connection: close``.
+target.  Per request the proxy either answers ``503 SlowDown``, drops the
+connection (before forwarding, with a TCP RST; or after forwarding, part-way
+through the response body or, for a response without body, before any of it),
+or forwards it.  The choice is seeded and made per (method, path, n-th time
+seen), so it does not depend on how concurrent requests interleave.  Every
+response carries ``Connection: close``; request bodies may be sized or chunked,
+and ``Expect: 100-continue`` is honoured.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import io
 import random
 import socket
 import struct
+import sys
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,7 +26,7 @@ from types import TracebackType
 
 HOST = "127.0.0.1"
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection"}
-_CODES = {403: "AccessDenied", 404: "NoSuchKey", 500: "InternalError", 503: "SlowDown"}
+_CODES = {502: "BadGateway", 403: "AccessDenied", 404: "NoSuchKey", 500: "InternalError", 503: "SlowDown"}
 _BLOCK = 64 * 1024
 
 
@@ -79,9 +83,10 @@ class FaultProxy:
         self.requests = 0
         self.actions: Counter[str] = Counter()  # forward/error/drop_before/drop_mid/forced
         self._seen: dict[tuple[str, str], int] = {}
+        self.handler_errors: list[str] = []  # exceptions in handler threads (client went away...)
         self._lock = threading.Lock()
         self._always: list[tuple[str, int]] = []
-        self._server: ThreadingHTTPServer | None = None
+        self._server: _QuietServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -156,8 +161,8 @@ class FaultProxy:
         class Handler(_ProxyHandler):
             owner = proxy
 
-        self._server = ThreadingHTTPServer((HOST, 0), Handler)
-        self._server.daemon_threads = True
+        self._server = _QuietServer((HOST, 0), Handler)
+        self._server.errors = self.handler_errors
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="FaultProxy", daemon=True
         )
@@ -181,6 +186,14 @@ class FaultProxy:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+    errors: list[str]
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        self.errors.append(repr(sys.exc_info()[1]))  # instead of a traceback on stderr
 
 
 class _ProxyHandler(BaseHTTPRequestHandler):
@@ -223,17 +236,21 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         self.close_connection = True
         action, status = self.owner._decide(self.command, self.path)
         if action == "forced":
-            self._send_error_xml(
-                status, _CODES.get(status, "InjectedError"), "fault proxy: permanent failure"
-            )
+            self._send_error_xml(status, _CODES.get(status, "InjectedError"), "fault proxy: permanent failure")
             return
         if action == "error":
             self._send_error_xml(503, "SlowDown", "Please reduce your request rate.")
             return
         if action == "drop_before":  # RST without answering or forwarding
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()  # the fd closes (RST, no FIN first) once finish() closes r/wfile
             return
-        with socket.create_connection(self.owner.target, timeout=self.owner.timeout) as up:
+        try:
+            up = socket.create_connection(self.owner.target, timeout=self.owner.timeout)
+        except OSError as exc:
+            self._send_error_xml(502, "BadGateway", f"fault proxy: target unreachable: {exc}")
+            return
+        with up:
             self._forward_request(up)
             self._relay_response(up, truncate=action == "drop_mid")
 

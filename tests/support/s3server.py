@@ -87,6 +87,9 @@ def free_ports(count: int, *, paired: int = 0) -> list[int]:
             sock.close()
 
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # ignore http_proxy
+
+
 def wait_http(url: str, *, deadline: float, alive: Callable[[], bool] | None = None) -> None:
     """Poll ``url`` until it answers any HTTP status, or raise TimeoutError.
 
@@ -97,7 +100,7 @@ def wait_http(url: str, *, deadline: float, alive: Callable[[], bool] | None = N
         if alive is not None and not alive():
             raise RuntimeError(f"process exited while waiting for {url}")
         try:
-            with urllib.request.urlopen(url, timeout=1.0):
+            with _DIRECT.open(url, timeout=1.0):
                 return
         except urllib.error.HTTPError:
             return  # e.g. 403 AccessDenied: the server answers
