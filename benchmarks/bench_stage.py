@@ -1,0 +1,512 @@
+#!/usr/bin/env python3
+"""Stage a local folder onto tmpfs (/dev/shm) and a local disk: stagingloader vs plain copies.
+
+    python benchmarks/bench_stage.py                      # everything (about 15 min on 2 cores)
+    python benchmarks/bench_stage.py --quick              # smoke run on small data (~1 min)
+    python benchmarks/bench_stage.py --target shm --sizes large --out results.json
+
+For each dataset (``large``: 4 x 1 GiB, ``small``: 20,000 x 100 KiB, ``tiny``: 200,000 x 4 KiB)
+and each target it times, each run into an empty target:
+
+* ``stagingloader stage SRC --root DIR --json -q`` (the CLI in a subprocess; it hashes every
+  file while copying and writes a manifest: verification is always on);
+* ``cp -r``, ``tar -cf - | tar -xf -``, ``rsync -a``, ``shutil.copytree`` (a python subprocess);
+* the naive copy-then-verify: ``cp -r``, then ``xxh128sum`` over every source file and every
+  copied file (``find -print0 | sort -z | xargs -0 xxh128sum``), then ``cmp`` of the two lists;
+* the ceiling: a C writer (benchmarks/ceiling_writer.c) writing the same files and bytes from one
+  in-memory buffer with 2 threads: no reading, no hashing.
+
+Protocol: the source (generated once under --data, deterministic random bytes) is read once
+first so that every method reads it from the page cache.  Each run writes into a freshly
+deleted folder.  The first pass is *cold*: before each run the previous target is deleted and
+the machine sits idle --idle seconds (this VM hands freed memory back to its host, and pages
+touched for the first time afterwards are several times slower).  The next --repeats passes are
+*warm*: each run starts right after the previous target was deleted.  Passes alternate the
+order of the methods.  On the disk target every timing includes a final ``sync -f`` (time until
+the copy is durable), and stagingloader is also run with ``--no-fsync`` (its default fsyncs
+every file on disks).
+
+It also times re-staging the unchanged ``tiny`` dataset (``stagingloader stage`` a second time,
+nothing to copy) against a second ``rsync -a`` of the same unchanged trees, and records the peak
+RSS of every ``stagingloader stage`` process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _bench as B  # noqa: E402
+
+# ---- datasets ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    files: int
+    size: int
+    per_dir: int = 0  #: files per folder; 0: all at the top
+
+    @property
+    def total(self) -> int:
+        return self.files * self.size
+
+    def rel(self, i: int) -> str:
+        if not self.per_dir:
+            return f"part-{i:04d}.bin"
+        return f"d{i // self.per_dir:04d}/f{i:07d}.bin"
+
+    def describe(self) -> str:
+        return f"{self.files:,} x {B.human(self.size)}"
+
+
+FULL = {
+    "large": Spec("large", 4, 1 << 30),
+    "small": Spec("small", 20_000, 100 << 10, per_dir=1000),
+    "tiny": Spec("tiny", 200_000, 4 << 10, per_dir=1000),
+}
+QUICK = {
+    "large": Spec("large-quick", 4, 64 << 20),
+    "small": Spec("small-quick", 2_000, 100 << 10, per_dir=500),
+    "tiny": Spec("tiny-quick", 10_000, 4 << 10, per_dir=1000),
+}
+SEED = 20240601
+
+
+def ensure_dataset(data: Path, spec: Spec, say: Callable[[str], None]) -> Path:
+    """Create ``data/<name>`` once (deterministic random bytes); reuse it when its marker matches."""
+    import numpy as np
+
+    root = data / spec.name
+    marker = data / f"{spec.name}.json"
+    want = {"name": spec.name, "files": spec.files, "size": spec.size, "per_dir": spec.per_dir, "seed": SEED,
+            "complete": True}
+    try:
+        if json.loads(marker.read_text()) == want and root.is_dir():
+            return root
+    except (OSError, ValueError):
+        pass
+    say(f"creating the {spec.name} dataset ({spec.describe()}) under {root} (once; reused later)")
+    t0 = time.perf_counter()
+    B.rm_rf(root)
+    marker.unlink(missing_ok=True)
+    root.mkdir(parents=True)
+    if not spec.per_dir:
+        chunk = 64 << 20
+        for i in range(spec.files):
+            rng = np.random.Generator(np.random.PCG64([SEED, i]))
+            with open(root / spec.rel(i), "wb") as f:
+                left = spec.size
+                while left:
+                    n = min(chunk, left)
+                    f.write(rng.bytes(n))
+                    left -= n
+    else:
+        for d in range((spec.files + spec.per_dir - 1) // spec.per_dir):
+            rng = np.random.Generator(np.random.PCG64([SEED, d]))
+            first, last = d * spec.per_dir, min(spec.files, (d + 1) * spec.per_dir)
+            block = memoryview(rng.bytes((last - first) * spec.size))
+            (root / spec.rel(first)).parent.mkdir()
+            for k, i in enumerate(range(first, last)):
+                with open(root / spec.rel(i), "wb") as f:
+                    f.write(block[k * spec.size:(k + 1) * spec.size])
+    B.syncfs(root)
+    marker.write_text(json.dumps(want))
+    say(f"  created in {time.perf_counter() - t0:.0f}s")
+    return root
+
+
+def file_list(data: Path, spec: Spec) -> Path:
+    """'SIZE RELPATH' lines for the ceiling writer."""
+    path = data / f"{spec.name}.list"
+    if not path.exists():
+        path.write_text("".join(f"{spec.size} {spec.rel(i)}\n" for i in range(spec.files)))
+    return path
+
+
+def read_tree(root: Path) -> float:
+    """Read every file once (two threads) so the source sits in the page cache; return seconds."""
+    t0 = time.perf_counter()
+    paths = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+    buf_local = threading.local()
+
+    def read(chunk: list[str]) -> None:
+        buf = getattr(buf_local, "buf", None) or bytearray(8 << 20)
+        buf_local.buf = buf
+        view = memoryview(buf)
+        for p in chunk:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                while os.readv(fd, [view]):
+                    pass
+            finally:
+                os.close(fd)
+
+    threads = [threading.Thread(target=read, args=(paths[i::2],)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def count_tree(root: Path) -> tuple[int, int]:
+    n = size = 0
+    for d, _, fs in os.walk(root):
+        for f in fs:
+            n += 1
+            size += os.lstat(os.path.join(d, f)).st_size
+    return n, size
+
+
+# ---- methods -----------------------------------------------------------------------------------
+
+SL = "stagingloader"
+SL_NOFSYNC = "stagingloader --no-fsync"
+CP, TAR, RSYNC, COPYTREE = "cp -r", "tar | tar", "rsync -a", "shutil.copytree"
+NAIVE, CEILING = "cp -r + xxh128sum both", "ceiling (C writer, 2 threads)"
+PLAIN = (CP, TAR, RSYNC, COPYTREE)
+
+
+@dataclass
+class Method:
+    name: str
+    build: Callable[[Path, Path], tuple[list[str] | str, bool]]  #: (src, run_dir) -> (command, shell?)
+    out: Callable[[Path], Path]  #: run_dir -> where the copied tree is (for the file count check)
+
+
+def q(p: Path | str) -> str:
+    import shlex
+
+    return shlex.quote(str(p))
+
+
+def methods_for(target_kind: str, writer: Path | None, spec_list: Path | None) -> list[Method]:
+    sl = B.stagingloader_cmd()
+    py = sys.executable
+    copytree = "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2])"
+    naive = ("cp -r {src} {out} && (cd {src} && find . -type f -print0 | sort -z | xargs -0 xxh128sum) > {run}/src.sum"
+             " && (cd {out} && find . -type f -print0 | sort -z | xargs -0 xxh128sum) > {run}/dst.sum"
+             " && cmp {run}/src.sum {run}/dst.sum")
+    ms = [
+        Method(SL, lambda s, r: ([*sl, "stage", str(s), "--root", str(r), "--json", "-q"], False), lambda r: r),
+        Method(CP, lambda s, r: (["cp", "-r", str(s), str(r / "out")], False), lambda r: r / "out"),
+        Method(TAR, lambda s, r: (f"mkdir {q(r / 'out')} && tar -C {q(s)} -cf - . | tar -C {q(r / 'out')} -xf -",
+                                  True), lambda r: r / "out"),
+        Method(RSYNC, lambda s, r: (["rsync", "-a", f"{s}/", f"{r}/out/"], False), lambda r: r / "out"),
+        Method(COPYTREE, lambda s, r: ([py, "-c", copytree, str(s), str(r / "out")], False), lambda r: r / "out"),
+        Method(NAIVE, lambda s, r: (naive.format(src=q(s), out=q(r / "out"), run=q(r)), True), lambda r: r / "out"),
+    ]
+    if target_kind == "disk":
+        ms.insert(1, Method(SL_NOFSYNC, lambda s, r: ([*sl, "stage", str(s), "--root", str(r), "--json", "-q",
+                                                       "--no-fsync"], False), lambda r: r))
+    if writer is not None:
+        ms.append(Method(CEILING, lambda s, r: ([str(writer), str(r / "out"), str(spec_list), "2"], False),
+                         lambda r: r / "out"))
+    return ms
+
+
+def build_writer(say: Callable[[str], None]) -> Path | None:
+    src = Path(__file__).resolve().parent / "ceiling_writer.c"
+    exe = B.RESULTS / ".build" / "ceiling_writer"
+    exe.parent.mkdir(parents=True, exist_ok=True)
+    if exe.exists() and exe.stat().st_mtime >= src.stat().st_mtime:
+        return exe
+    cc = next((c for c in ("cc", "gcc", "clang") if subprocess.run(["which", c], capture_output=True).returncode == 0),
+              None)
+    if cc is None:
+        say("no C compiler: the ceiling is not measured")
+        return None
+    subprocess.run([cc, "-O2", "-pthread", "-o", str(exe), str(src)], check=True)
+    return exe
+
+
+# ---- the measurement loop ----------------------------------------------------------------------
+
+
+class Runner:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.say: Callable[[str], None] = lambda text: print(text, flush=True)
+
+    def one(self, m: Method, src: Path, run_dir: Path, kind: str, check_count: tuple[int, int] | None,
+            idle: float) -> tuple[B.Run, dict[str, Any]]:
+        """Delete the target, (idle), run ``m`` once into it; return the run (sync included on disk)."""
+        B.rm_rf(run_dir)
+        if kind == "disk":
+            B.syncfs(run_dir.parent)
+        if idle:
+            time.sleep(idle)
+        run_dir.mkdir(parents=True)
+        cmd, shell = m.build(src, run_dir)
+        run = B.run_timed(cmd, shell=shell)
+        extra: dict[str, Any] = {}
+        if kind == "disk":
+            t0 = time.perf_counter()
+            B.syncfs(run_dir)
+            extra["sync_s"] = time.perf_counter() - t0
+            run.seconds += extra["sync_s"]
+        if m.name in (SL, SL_NOFSYNC):
+            doc = json.loads(run.stdout)
+            extra["report"] = {k: doc.get(k) for k in ("files", "bytes", "copied_files", "copied_bytes", "seconds",
+                                                        "tier", "new_version")}
+            if check_count and (doc.get("copied_files"), doc.get("copied_bytes")) != check_count:
+                raise RuntimeError(f"{m.name} copied {doc.get('copied_files')} files / {doc.get('copied_bytes')} "
+                                   f"bytes, expected {check_count}")
+        elif check_count:
+            got = count_tree(m.out(run_dir))
+            if got != check_count:
+                raise RuntimeError(f"{m.name} left {got} (files, bytes), expected {check_count}")
+        return run, extra
+
+    def dataset(self, spec: Spec, src: Path, kind: str, base: Path, writer: Path | None, listfile: Path
+                ) -> dict[str, Any]:
+        a = self.args
+        methods = [m for m in methods_for(kind, writer, listfile) if not a.methods or m.name in a.methods]
+        samples = {m.name: B.Samples() for m in methods}
+        run_dir = base / "run"
+        expect = (spec.files, spec.total)
+        keep_for_restage = a.restage and spec.name.startswith("tiny")
+        kept: dict[str, Path] = {}
+        passes = 1 + a.repeats
+        for p in range(passes):
+            cold = p == 0
+            order = methods if p % 2 == 0 else methods[::-1]
+            for m in order:
+                if a.skip_slow_warm and not cold and m.name == SL and kind == "disk" and spec.name.startswith("tiny"):
+                    continue
+                run, extra = self.one(m, src, run_dir, kind, expect if cold else None,
+                                      a.idle if cold else 0.0)
+                s = samples[m.name]
+                (s.cold if cold else s.warm).append(run.seconds)
+                s.cpu.append(run.cpu)
+                s.maxrss_mib.append(run.maxrss_mib)
+                if "sync_s" in extra:
+                    s.extra.setdefault("sync_s", []).append(round(extra["sync_s"], 3))
+                if "report" in extra:
+                    s.extra.setdefault("self_reported_s", []).append(extra["report"].get("seconds"))
+                self.say(f"  {kind:<4} {spec.name:<11} {'cold' if cold else 'warm'} {m.name:<30} "
+                         f"{run.seconds:7.2f}s  {spec.total / run.seconds / 1e9:6.2f} GB/s  "
+                         f"{spec.files / run.seconds:9.0f} files/s  cpu {run.cpu:6.1f}s  rss {run.maxrss_mib:6.0f} MiB")
+                if keep_for_restage and p == passes - 1 and m.name in (SL, RSYNC):
+                    dest = base / f"keep-{'sl' if m.name == SL else 'rsync'}"
+                    B.rm_rf(dest)
+                    os.rename(run_dir, dest)
+                    kept[m.name] = dest
+        B.rm_rf(run_dir)
+        result: dict[str, Any] = {"spec": spec.__dict__ | {"total_bytes": spec.total},
+                                  "methods": {k: v.to_dict() for k, v in samples.items()}}
+        if kept:
+            result["restage"] = self.restage(spec, src, kind, kept)
+            for d in kept.values():
+                B.rm_rf(d)
+        return result
+
+    def restage(self, spec: Spec, src: Path, kind: str, kept: dict[str, Path]) -> dict[str, Any]:
+        """Second stage (nothing to copy) vs second rsync -a over the same unchanged trees."""
+        sl = B.stagingloader_cmd()
+        out: dict[str, Any] = {}
+        if SL not in kept or RSYNC not in kept:
+            return out
+        runs: dict[str, B.Samples] = {SL: B.Samples(), RSYNC: B.Samples()}
+        for p in range(max(1, self.args.repeats + 1)):
+            order = [SL, RSYNC] if p % 2 == 0 else [RSYNC, SL]
+            for name in order:
+                if name == SL:
+                    run = B.run_timed([*sl, "stage", str(src), "--root", str(kept[SL]), "--json", "-q"])
+                    doc = json.loads(run.stdout)
+                    if doc.get("copied_files") or doc.get("new_version"):
+                        raise RuntimeError(f"re-stage copied something: {doc}")
+                    runs[name].extra.setdefault("self_reported_s", []).append(doc.get("seconds"))
+                else:
+                    run = B.run_timed(["rsync", "-a", f"{src}/", f"{kept[RSYNC]}/out/"])
+                (runs[name].cold if p == 0 else runs[name].warm).append(run.seconds)
+                runs[name].cpu.append(run.cpu)
+                runs[name].maxrss_mib.append(run.maxrss_mib)
+                self.say(f"  {kind:<4} {spec.name:<11} re-stage {name:<15} {run.seconds:7.2f}s  "
+                         f"rss {run.maxrss_mib:6.0f} MiB")
+        return {k: v.to_dict() for k, v in runs.items()}
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def best(s: dict[str, Any], which: str) -> float | None:
+    return s["warm_best_s"] if which == "warm" else s["cold_s"]
+
+
+def tables(results: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    lines: list[str] = []
+    verdicts: list[dict[str, Any]] = []
+    for kind, per_ds in results["targets"].items():
+        where = results["target_dirs"][kind]
+        for ds, r in per_ds.items():
+            spec = r["spec"]
+            ms = r["methods"]
+            lines.append(f"\n### {kind}: {ds} ({spec['files']:,} x {B.human(spec['size'])} = "
+                         f"{B.human(spec['total_bytes'])}) into {where}\n")
+            sl = ms.get(SL)
+            rows = []
+            for name, s in ms.items():
+                ratio_c = ratio_w = None
+                if sl and name != SL:
+                    if best(s, "cold") and best(sl, "cold"):
+                        ratio_c = best(s, "cold") / best(sl, "cold")
+                    if best(s, "warm") and best(sl, "warm"):
+                        ratio_w = best(s, "warm") / best(sl, "warm")
+                rows.append([name, B.fmt_s(s["cold_s"]), B.fmt_s(s["warm_best_s"]), B.fmt_s(s["warm_median_s"]),
+                             B.fmt_rate(spec["total_bytes"], s["cold_s"]), B.fmt_rate(spec["total_bytes"],
+                                                                                       s["warm_best_s"]),
+                             B.fmt_rate(spec["files"], s["warm_best_s"] or s["cold_s"], 1, 0),
+                             f"{max(s['cpu']):.1f}", f"{max(s['maxrss_mib']):.0f}",
+                             B.fmt_ratio(ratio_c), B.fmt_ratio(ratio_w)])
+            lines.append(B.markdown_table(
+                ["method", "cold s", "warm best s", "warm median s", "cold GB/s", "warm GB/s", "files/s",
+                 "CPU s (max)", "max RSS MiB", "SL speedup cold", "SL speedup warm"], rows))
+            verdicts += judge(kind, ds, ms)
+            if "restage" in r and r["restage"]:
+                rs = r["restage"]
+                sl_t, rs_t = rs[SL], rs[RSYNC]
+                rows = [[n, B.fmt_s(v["cold_s"]), B.fmt_s(v["warm_best_s"]), B.fmt_s(v["warm_median_s"]),
+                         f"{max(v['maxrss_mib']):.0f}"] for n, v in rs.items()]
+                lines.append(f"\nRe-staging the unchanged {ds} dataset (nothing to copy), {kind}:\n")
+                lines.append(B.markdown_table(["method", "first s", "best s", "median s", "max RSS MiB"], rows))
+                t_sl = min(sl_t["cold"] + sl_t["warm"])
+                t_rs = min(rs_t["cold"] + rs_t["warm"])
+                med_sl = sorted(sl_t["cold"] + sl_t["warm"])[len(sl_t["cold"] + sl_t["warm"]) // 2]
+                verdicts.append({"target": kind, "dataset": ds, "goal": "re-stage < 2 s",
+                                 "value": f"{t_sl:.2f} s best, {med_sl:.2f} s median", "met": t_sl < 2.0})
+                verdicts.append({"target": kind, "dataset": ds, "goal": "re-stage >= 10x faster than rsync -a",
+                                 "value": f"{t_rs / t_sl:.1f}x", "met": t_rs / t_sl >= 10})
+        mem = [max(r["methods"][SL]["maxrss_mib"]) for r in per_ds.values() if SL in r["methods"]]
+        if mem:
+            verdicts.append({"target": kind, "dataset": "all", "goal": "stager peak RSS < 512 MiB",
+                             "value": f"{max(mem):.0f} MiB", "met": max(mem) < 512})
+    rows = [[v["target"], v["dataset"], v["goal"], v["value"], "met" if v["met"] else "MISSED"] for v in verdicts]
+    lines.append("\n### Targets\n")
+    lines.append(B.markdown_table(["target", "dataset", "goal", "measured", "verdict"], rows))
+    return "\n".join(lines), verdicts
+
+
+def judge(kind: str, ds: str, ms: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, on warm best-of times (cold shown alongside)."""
+    out = []
+    for sl_name in (SL, SL_NOFSYNC):
+        if sl_name not in ms:
+            continue
+        sl = ms[sl_name]
+        label = "" if sl_name == SL else " (--no-fsync)"
+
+        def add(goal: str, base: float | None, base_cold: float | None, want: float) -> None:
+            if not base or not sl["warm_best_s"]:
+                return
+            w = base / sl["warm_best_s"]
+            c = base_cold / sl["cold_s"] if base_cold and sl["cold_s"] else None
+            out.append({"target": kind, "dataset": ds, "goal": goal + label,
+                        "value": f"{w:.2f}x warm, {B.fmt_ratio(c)} cold", "met": w >= want, "warm": w, "cold": c})
+
+        if ds.startswith("large"):
+            if CP in ms:
+                add(">= 1.3x cp -r", ms[CP]["warm_best_s"], ms[CP]["cold_s"], 1.3)
+            if CEILING in ms:
+                add(">= 0.8x the ceiling", ms[CEILING]["warm_best_s"], ms[CEILING]["cold_s"], 0.8)
+        if ds.startswith("small"):
+            plain = [n for n in PLAIN if n in ms]
+            if plain:
+                fw = min(plain, key=lambda n: ms[n]["warm_best_s"])
+                fc = min(plain, key=lambda n: ms[n]["cold_s"])
+                add(f">= 1.0x the fastest plain copy ({fw} warm, {fc} cold)", ms[fw]["warm_best_s"],
+                    ms[fc]["cold_s"], 1.0)
+        if NAIVE in ms:
+            add(">= 1.5x naive copy-then-verify", ms[NAIVE]["warm_best_s"], ms[NAIVE]["cold_s"], 1.5)
+    return out
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", choices=("shm", "disk", "both"), default="both")
+    ap.add_argument("--sizes", default="large,small,tiny", help="comma list of large, small, tiny")
+    ap.add_argument("--quick", action="store_true", help="small datasets, one warm pass, 1 s idle: a smoke run")
+    ap.add_argument("--out", default=str(B.RESULTS / "stage.json"), help="JSON results (and a .md next to it)")
+    ap.add_argument("--data", default="/work/bench-data", help="where the source datasets live (local disk)")
+    ap.add_argument("--shm-dir", default=f"/dev/shm/slbench-{os.getuid()}")
+    ap.add_argument("--disk-dir", default="/work/bench-target")
+    ap.add_argument("--repeats", type=int, default=None, help="warm passes after the cold one (default 2; quick 1)")
+    ap.add_argument("--idle", type=float, default=None, help="idle seconds before each cold run (default 5)")
+    ap.add_argument("--methods", default="", help="comma list of method names to run (default: all)")
+    ap.add_argument("--no-restage", dest="restage", action="store_false", help="skip the re-stage comparison")
+    ap.add_argument("--skip-slow-warm", action="store_true",
+                    help="run stagingloader's default (fsync per file) only cold on disk/tiny")
+    ap.add_argument("--no-wait", action="store_true", help="do not wait for the machine to go idle first")
+    a = ap.parse_args(argv)
+    a.repeats = a.repeats if a.repeats is not None else (1 if a.quick else 2)
+    a.idle = a.idle if a.idle is not None else (1.0 if a.quick else 5.0)
+    a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    specs = QUICK if a.quick else FULL
+    sizes = [s.strip() for s in a.sizes.split(",") if s.strip()]
+    for s in sizes:
+        if s not in specs:
+            ap.error(f"unknown size {s!r}; choose from {', '.join(specs)}")
+    kinds = ["shm", "disk"] if a.target == "both" else [a.target]
+    targets = {"shm": Path(a.shm_dir), "disk": Path(a.disk_dir)}
+    runner = Runner(a)
+    say = runner.say
+    data = Path(a.data)
+    data.mkdir(parents=True, exist_ok=True)
+    writer = build_writer(say)
+    sources = {s: ensure_dataset(data, specs[s], say) for s in sizes}
+    idle = {} if a.no_wait else B.wait_for_idle(say=say)
+    acct = B.CpuAccount()
+    results: dict[str, Any] = {
+        "benchmark": "bench_stage", "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": B.machine(), "tools": B.tool_versions(),
+        "source_fs": B.fs_type(data), "idle_check": idle, "quick": a.quick, "repeats": a.repeats, "idle_s": a.idle,
+        "target_dirs": {k: f"{targets[k]} [{B.fs_type(targets[k].parent)}]" for k in kinds}, "targets": {},
+        "source_read_s": {},
+    }
+    say(f"machine: {results['machine']}; load {os.getloadavg()}")
+    for kind in kinds:
+        base = targets[kind]
+        base.mkdir(parents=True, exist_ok=True)
+        results["targets"][kind] = {}
+        for s in sizes:
+            spec = specs[s]
+            src = sources[s]
+            if s not in results["source_read_s"]:
+                results["source_read_s"][s] = round(read_tree(src), 2)
+            say(f"[{kind}] {spec.name}: {spec.describe()} from {src} into {base}")
+            results["targets"][kind][s] = runner.dataset(spec, src, kind, base, writer, file_list(data, spec))
+            B.dump_json(a.out, results)
+        B.rm_rf(base)
+    results["cpu_accounting"] = acct.report()
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    text, verdicts = tables(results)
+    results["verdicts"] = verdicts
+    B.dump_json(a.out, results)
+    md = Path(a.out).with_suffix(".md")
+    md.write_text(f"command: {results['command']}\nstarted {results['started']}, finished {results['finished']}\n"
+                  f"machine: {results['machine']}\ncpu accounting: {results['cpu_accounting']}\n{text}\n")
+    print(text)
+    print(f"\nCPU used by other processes while measuring: {results['cpu_accounting']}")
+    print(f"results: {a.out} and {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
