@@ -1,0 +1,33 @@
+# The two commands: `make demo` (set up, run the main job on a built-in sample dataset)
+# and `make test` (set up, lint, type-check, run the whole test suite).
+# The venv is built from Debian's /usr/bin/python3 when present: an interpreter every user can run.
+PY ?= $(shell test -x /usr/bin/python3 && echo /usr/bin/python3 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch is pinned: 2.13.0 is a CPU wheel on this project's machines; an open range pulls a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]' '$(TORCH)'
+	touch $@
+
+demo: setup
+	$(BIN)/stagingloader demo
+
+lint: setup
+	$(BIN)/ruff check stagingloader tests benchmarks
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python benchmarks/bench_stage.py
+
+clean:
+	rm -rf $(VENV) stagingloader-demo
