@@ -21,7 +21,8 @@ def test_exported_names_are_pinned() -> None:
 
 
 def test_import_loads_no_torch_dali_or_s3fs() -> None:
-    code = "import sys, stagingloader; print(sorted(m for m in ('torch', 'nvidia.dali', 's3fs', 'botocore') if m in sys.modules))"
+    code = ("import sys, stagingloader; "
+            "print(sorted(m for m in ('torch', 'nvidia.dali', 's3fs', 'botocore') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
