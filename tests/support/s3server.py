@@ -8,6 +8,7 @@ several servers (and other tests) can run side by side.  Authentication is on:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -192,31 +193,35 @@ class S3Server:
         self.tmpdir = Path(tempfile.mkdtemp(prefix="weed-"))
         self._write_config(self.tmpdir / "s3.json")
         deadline = time.monotonic() + self.start_timeout
-        for attempt in range(3):  # retry if a chosen port got taken meanwhile
-            shutil.rmtree(self.tmpdir / "data", ignore_errors=True)
-            (self.tmpdir / "data").mkdir()
-            cmd = self._command(self.tmpdir)
-            with open(self.tmpdir / "weed.log", "ab") as log:
-                self.proc = subprocess.Popen(
-                    cmd,
-                    cwd=self.tmpdir,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            try:
-                wait_http(self.endpoint_url + "/", deadline=deadline, alive=self.running)
-                self._wait_writable(deadline)
-                return self
-            except (RuntimeError, TimeoutError) as exc:
-                tail = self.log_tail()
-                self._kill()
-                if "address already in use" in tail and attempt < 2:
-                    continue
-                self._cleanup()
-                raise RuntimeError(f"weed mini did not start: {exc}\n--- log tail ---\n{tail}") from exc
-        raise AssertionError("unreachable")
+        atexit.register(self.stop)  # should the caller never get to stop() (Ctrl-C, crash)
+        try:
+            for attempt in range(3):  # retry if a chosen port got taken meanwhile
+                shutil.rmtree(self.tmpdir / "data", ignore_errors=True)
+                (self.tmpdir / "data").mkdir()
+                cmd = self._command(self.tmpdir)
+                with open(self.tmpdir / "weed.log", "wb") as log:  # one attempt per log
+                    self.proc = subprocess.Popen(
+                        cmd,
+                        cwd=self.tmpdir,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                try:
+                    wait_http(self.endpoint_url + "/", deadline=deadline, alive=self.running)
+                    self._wait_writable(deadline)
+                    return self
+                except (RuntimeError, TimeoutError) as exc:
+                    tail = self.log_tail()
+                    self._kill()
+                    if attempt < 2 and ("Port allocation failed" in tail or "address already in use" in tail):
+                        continue
+                    raise RuntimeError(f"weed mini did not start: {exc}\n--- log tail ---\n{tail}") from exc
+            raise AssertionError("unreachable")
+        except BaseException:
+            self.stop()
+            raise
 
     def _wait_writable(self, deadline: float) -> None:
         """Create the read-only identity's bucket: proves signed writes work."""
@@ -229,7 +234,7 @@ class S3Server:
                     raise TimeoutError(f"signed CreateBucket failed: {exc!r}") from exc
                 time.sleep(0.2)
 
-    def _kill(self, timeout: float = 5.0) -> None:
+    def _kill(self, timeout: float = 3.0) -> None:
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -252,10 +257,15 @@ class S3Server:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
             self.tmpdir = None
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM the process group, SIGKILL after ``timeout`` s, remove the temp dir."""
+    def stop(self, timeout: float = 3.0) -> None:
+        """SIGTERM the process group, SIGKILL after ``timeout`` s, remove the temp dir.
+
+        A clean shutdown takes ~1.3 s; the volume server sometimes lingers for longer, and
+        nothing on disk is kept anyway.
+        """
         self._kill(timeout)
         self._cleanup()
+        atexit.unregister(self.stop)
 
     def __enter__(self) -> S3Server:
         return self.start()

@@ -1,0 +1,62 @@
+"""Collation: a timed wrapper around the user's ``collate_fn``, and batches gathered in one read.
+
+A dataset's ``__getitems__`` may return a :class:`GatheredBatch`: a list of samples (so any
+``collate_fn`` works unchanged, and torch's own DataLoader too) that also carries the batch
+already stacked, exactly as ``default_collate`` would build it.  With the default collate, the
+loader takes the stacked form and skips the per-sample stack.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.utils.data import default_collate, default_convert
+
+from .stats import COLLATE_S, FETCH_S, WorkerClock
+
+
+class GatheredBatch(list):  # type: ignore[type-arg]
+    """Samples of one batch plus ``stacked``: what ``default_collate(samples)`` returns."""
+
+    def __init__(self, samples: Sequence[Any], stacked: Any) -> None:
+        super().__init__(samples)
+        self.stacked = stacked
+
+
+def fast_collate(data: Any) -> Any:
+    """``default_collate``, taking a gathered batch's stacked form when there is one."""
+    if isinstance(data, GatheredBatch):
+        return data.stacked
+    return default_collate(data)
+
+
+class TimedCollate:
+    """Wraps a collate function; adds its time (and the dataset's, in between) to the worker clock."""
+
+    def __init__(self, fn: Callable[[Any], Any] | None, clock: WorkerClock | None, measure_fetch: bool,
+                 auto_collation: bool = True) -> None:
+        if fn is None:  # torch's defaults: collate batches, convert single samples
+            fn = default_collate if auto_collation else default_convert
+        self.fn = fast_collate if fn is default_collate else fn
+        self.clock = clock
+        self.measure_fetch = measure_fetch
+        self._last_end: float | None = None
+
+    def __call__(self, data: Any) -> Any:
+        t0 = time.perf_counter()
+        out = self.fn(data)
+        t1 = time.perf_counter()
+        if self.clock is not None:
+            row = self.clock.row()
+            self.clock.add(COLLATE_S, t1 - t0, row)
+            if self.measure_fetch and self._last_end is not None:
+                self.clock.add(FETCH_S, t0 - self._last_end, row)
+        self._last_end = t1
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_last_end"] = None
+        return state

@@ -1,0 +1,461 @@
+"""``stagingloader.DataLoader``: torch's DataLoader, same arguments and batches, plus stats and speed.
+
+It *is* a ``torch.utils.data.DataLoader`` (a subclass): every argument, default, error and
+worker behaviour is torch's own.  What it adds:
+
+* ``loader.stats``: how long the loop waited on each batch, the stall fraction, and where the
+  workers spent their time (read, decode, collate), logged at the end of each epoch;
+* batch-level reads for datasets that support them (``__getitems__`` returning a gathered
+  batch: :class:`StagedFiles`, :class:`StagedArrays`), with no per-sample stack;
+* read-ahead hints for the next batches on disk tiers (``readahead=``);
+* ``device=``: the next batch is copied to the device on a side stream while this one trains;
+* ``state_dict()`` / ``load_state_dict()``: resume mid-epoch without re-reading the epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.utils.data as tud
+
+from .collate import TimedCollate
+from .stats import LoaderStats, WorkerClock
+
+log = logging.getLogger("stagingloader.loader")
+
+
+def _generators(obj: Any, seen: set[int] | None = None) -> list[torch.Generator]:
+    """Every torch.Generator a sampler (or batch sampler) draws from."""
+    seen = seen if seen is not None else set()
+    out: list[torch.Generator] = []
+    if obj is None or id(obj) in seen:
+        return out
+    seen.add(id(obj))
+    for name in ("generator", "sampler", "batch_sampler"):
+        v = getattr(obj, name, None)
+        if isinstance(v, torch.Generator):
+            out.append(v)
+        elif v is not None and not isinstance(v, (int, float, str, bool)):
+            out += _generators(v, seen)
+    return out
+
+
+class _RngState:
+    """The torch RNG states that decide an epoch's order: global, the loader's, the samplers'."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.global_state = torch.get_rng_state()
+        gens = _generators(loader)
+        self.gens = gens
+        self.states = [g.get_state() for g in gens]
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.global_state)
+        for g, s in zip(self.gens, self.states):
+            g.set_state(s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"global": self.global_state.clone(), "generators": [s.clone() for s in self.states]}
+
+    @classmethod
+    def from_dict(cls, loader: DataLoader, d: dict[str, Any]) -> _RngState:
+        self = cls.__new__(cls)
+        self.global_state = d["global"]
+        self.gens = _generators(loader)
+        if len(self.gens) != len(d["generators"]):
+            raise ValueError("the saved state was taken with different samplers or generators")
+        self.states = list(d["generators"])
+        return self
+
+
+class _TrackedSampler:
+    """Wraps the loader's index sampler: records the RNG at the start of each epoch's order,
+    skips batches on resume (at the index level: nothing is read), and sends read-ahead hints."""
+
+    def __init__(self, inner: Any, loader: DataLoader) -> None:
+        self.inner = inner
+        self._loader = weakref.ref(loader)  # no cycle: the loader (and its workers) go when the user drops it
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        loader = self._loader()
+        if loader is None:
+            yield from self.inner
+            return
+        skip, loader._skip = loader._skip, 0
+        if loader._resume_rng is not None:
+            loader._resume_rng.restore()
+            loader._resume_rng = None
+        loader._epoch_rng = _RngState(loader)
+        it = iter(self.inner)
+        for _ in range(skip):
+            if next(it, None) is None:
+                return
+        hint = getattr(loader.dataset, "hint", None) if loader.readahead and loader._hints else None
+        if hint is None:
+            yield from it
+            return
+        ahead: deque[Any] = deque()
+        for idx in it:
+            ahead.append(idx)
+            loader._hinter.submit(hint, idx)
+            if len(ahead) > loader.readahead:
+                yield ahead.popleft()
+        yield from ahead
+
+
+class _Hinter:
+    """One named background thread that passes read-ahead hints to the dataset, bounded and stoppable."""
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[Any, Any]] = deque(maxlen=64)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Any, arg: Any) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="stagingloader-readahead", daemon=True)
+            self._thread.start()
+        self._queue.append((fn, arg))
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(0.5)
+            self._wake.clear()
+            while self._queue:
+                fn, arg = self._queue.popleft()
+                try:
+                    fn(arg)
+                except Exception:  # a hint is only a hint
+                    log.debug("read-ahead hint failed", exc_info=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None
+
+
+class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
+    """A drop-in ``torch.utils.data.DataLoader``; see the module docstring for what it adds.
+
+    Extra keyword arguments: ``device`` (e.g. ``"cuda"``: batches arrive on the device, copied
+    on a side stream one batch ahead), ``readahead`` (batches of read-ahead hints on disk tiers,
+    default 2; 0 disables), ``stats`` (default True).  ``persistent_workers`` defaults to True
+    where it cannot change results (stagingloader's own datasets, no ``worker_init_fn``).
+    """
+
+    def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None, sampler: Any = None,
+                 batch_sampler: Any = None, num_workers: int = 0, collate_fn: Any = None, pin_memory: bool = False,
+                 drop_last: bool = False, timeout: float = 0, worker_init_fn: Any = None,
+                 multiprocessing_context: Any = None, generator: Any = None, *, prefetch_factor: int | None = None,
+                 persistent_workers: bool | None = None, pin_memory_device: str = "", in_order: bool = True,
+                 device: str | torch.device | None = None, readahead: int = 2, stats: bool = True) -> None:
+        from .datasets import StagedArrays, StagedFiles
+
+        ours = isinstance(dataset, (StagedFiles, StagedArrays))
+        self._auto_persistent = persistent_workers is None
+        if persistent_workers is None:
+            safe = ours and getattr(dataset, "transform", None) is None and worker_init_fn is None
+            persistent_workers = bool(safe and isinstance(num_workers, int) and num_workers > 0)
+        workers = num_workers if isinstance(num_workers, int) and num_workers > 0 else 0
+        clock = WorkerClock(workers) if stats else None
+        if ours:
+            dataset.clock = clock
+        auto = batch_sampler is not None or batch_size is not None
+        wrapped = TimedCollate(collate_fn, clock, measure_fetch=not ours, auto_collation=auto)
+        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, wrapped, pin_memory,
+                         drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                         pin_memory_device=pin_memory_device, in_order=in_order)
+        self.user_collate_fn = collate_fn
+        self.clock = clock
+        self.device = torch.device(device) if device is not None else None
+        self.readahead = max(0, int(readahead))
+        self.stats = LoaderStats(self._path_note())
+        self.epoch = 0
+        self._hints = ours and self._on_disk_tier(dataset)
+        if ours:
+            dataset.fadvise = self._hints
+        self._hinter = _Hinter()
+        self._tracked: _TrackedSampler | None = None
+        self._skip = 0
+        self._discard = 0
+        self._resume_rng: _RngState | None = None
+        self._resume_rng_pre: _RngState | None = None
+        self._epoch_rng: _RngState | None = None
+        self._yielded = 0
+        self._yielded_offset = 0
+        self._pre_rng: _RngState | None = None
+        self._iterating = False
+
+    # ---- torch hooks -------------------------------------------------------------------------
+    @property
+    def _index_sampler(self) -> Any:
+        inner = tud.DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
+        if self._dataset_kind == tud.dataloader._DatasetKind.Iterable:
+            return inner
+        tracked = self.__dict__.get("_tracked")
+        if tracked is None or tracked.inner is not inner:
+            tracked = _TrackedSampler(inner, self)
+            self.__dict__["_tracked"] = tracked
+        return tracked
+
+    def __iter__(self) -> _LoaderIter:  # type: ignore[override]
+        if self._resume_rng_pre is not None:
+            self._resume_rng_pre.restore()
+            self._resume_rng_pre = None
+        elif self._auto_persistent and self.persistent_workers and self._iterator is not None:
+            # persistent workers were our choice; torch's default (none) draws a worker base seed per
+            # epoch: draw it here too, so the samplers see the same random stream and order as torch's
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        pre = _RngState(self)
+        self.stats.start_epoch(self.epoch, self.clock)  # before the workers start prefetching
+        inner = super().__iter__()
+        return _LoaderIter(self, inner, pre)
+
+    # ---- extras --------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Pass the epoch to every sampler and dataset that takes one (DistributedSampler...)."""
+        self.epoch = epoch
+        for obj in (self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None), self.dataset):
+            fn = getattr(obj, "set_epoch", None)
+            if callable(fn):
+                fn(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this epoch is: resuming from it yields exactly the batches not yet yielded."""
+        return {
+            "format": "stagingloader-loader-state", "version": 1, "epoch": self.epoch,
+            "batches_yielded": self._yielded if self._iterating else 0,
+            "in_epoch": self._iterating,
+            "rng_before_epoch": self._pre_rng.to_dict() if self._iterating and self._pre_rng else None,
+            "rng_sampler": self._epoch_rng.to_dict() if self._iterating and self._epoch_rng else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next ``iter(loader)`` continue the saved epoch where it stopped."""
+        if state.get("format") != "stagingloader-loader-state":
+            raise ValueError("not a stagingloader DataLoader state (from loader.state_dict())")
+        self.epoch = int(state["epoch"])
+        if not state.get("in_epoch"):
+            return
+        k = int(state["batches_yielded"])
+        if self._dataset_kind == tud.dataloader._DatasetKind.Iterable:
+            self._discard = k  # an iterable dataset can only be replayed
+        else:
+            self._skip = k
+        self._yielded_offset = k
+        if state.get("rng_before_epoch") is not None:
+            self._resume_rng_pre = _RngState.from_dict(self, state["rng_before_epoch"])
+        if state.get("rng_sampler") is not None:
+            self._resume_rng = _RngState.from_dict(self, state["rng_sampler"])
+
+    def close(self) -> None:
+        """Stop the workers and the read-ahead thread now (also done when the loader is collected)."""
+        self._hinter.close()
+        it = self._iterator
+        self._iterator = None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _path_note(self) -> str:
+        if self.device is None or self.device.type == "cpu":
+            return "host memory" + (" (pinned)" if self.pin_memory else "")
+        return f"to {self.device}: pinned host buffers, asynchronous copy on a side stream, one batch ahead"
+
+    @staticmethod
+    def _on_disk_tier(dataset: Any) -> bool:
+        from ..storage import mount_of
+
+        root = getattr(dataset, "root", None) or (getattr(dataset, "paths", None) or [None])[0]
+        return root is not None and not mount_of(str(root)).is_memory
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, dict):
+        return _batch_size(next(iter(batch.values()))) if batch else 0
+    if isinstance(batch, (list, tuple)):
+        return _batch_size(batch[0]) if batch and isinstance(batch[0], (torch.Tensor, list, tuple, dict)) \
+            else len(batch)
+    return 1
+
+
+def _nbytes(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.element_size() * batch.nelement()
+    if isinstance(batch, dict):
+        return sum(_nbytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(_nbytes(v) for v in batch)
+    if isinstance(batch, (bytes, bytearray)):
+        return len(batch)
+    nbytes = getattr(batch, "nbytes", None)
+    return int(nbytes) if isinstance(nbytes, int) else 0
+
+
+class _LoaderIter:
+    """Times ``next()``, keeps the device copy one batch ahead, counts batches for state_dict."""
+
+    def __init__(self, loader: DataLoader, inner: Any, pre: _RngState) -> None:
+        self.loader = loader
+        self.inner = inner
+        loader._pre_rng = pre
+        loader._iterating = True
+        loader._yielded = getattr(loader, "_yielded_offset", 0)
+        loader._yielded_offset = 0
+        self._discard, loader._discard = loader._discard, 0
+        self._ahead: Any = None
+        self._done = False
+        self._stream: Any = None
+        dev = loader.device
+        if dev is not None and dev.type == "cuda":
+            self._stream = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
+
+    def __iter__(self) -> _LoaderIter:
+        return self
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __next__(self) -> Any:
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            while self._discard:
+                self._discard -= 1
+                next(self.inner)
+            batch = self._next()
+        except StopIteration:
+            self._end()
+            raise
+        except Exception as e:
+            dead = self._dead_workers()
+            if dead:
+                raise RuntimeError(dead) from e
+            self._annotate(e)
+            raise
+        waited = time.perf_counter() - t0
+        self.loader.stats.record(waited, _batch_size(batch), _nbytes(batch))
+        self.loader._yielded += 1
+        return batch
+
+    def _next(self) -> Any:
+        if self.loader.device is None:
+            return next(self.inner)
+        if self._ahead is None:
+            self._ahead = self._to_device(next(self.inner))
+        current = self._ahead
+        try:
+            self._ahead = self._to_device(next(self.inner))
+        except StopIteration:
+            self._ahead = None
+            if current is None:
+                raise
+        if current is None:
+            raise StopIteration
+        return self._ready(current)
+
+    def _to_device(self, batch: Any) -> Any:
+        dev = self.loader.device
+
+        def move(x: Any) -> Any:
+            return x.to(dev, non_blocking=True) if isinstance(x, torch.Tensor) else x
+
+        if self._stream is None:
+            return _tree_map(move, batch)
+        with torch.cuda.stream(self._stream):
+            return _tree_map(move, batch)
+
+    def _ready(self, batch: Any) -> Any:
+        if self._stream is None:
+            return batch
+        current = torch.cuda.current_stream(self.loader.device)
+        current.wait_stream(self._stream)
+
+        def keep(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.is_cuda:
+                x.record_stream(current)
+            return x
+
+        return _tree_map(keep, batch)
+
+    def _end(self) -> None:
+        if not self._done:
+            self._done = True
+            self.loader._iterating = False
+            self.loader.stats.end_epoch(self.loader.clock)
+            self.loader.epoch += 1
+
+    def _dead_workers(self) -> str:
+        """Which workers a signal killed, by pid and signal, and what that usually means."""
+        import signal as sig
+
+        out = []
+        for i, w in enumerate(getattr(self.inner, "_workers", ())):
+            w.join(timeout=0.1)
+            code = w.exitcode
+            if code is not None and code < 0:
+                try:
+                    name = sig.Signals(-code).name
+                    desc = sig.strsignal(-code) or name
+                except ValueError:
+                    name = desc = f"signal {-code}"
+                hint = (" (SIGKILL is what the kernel's OOM killer sends: check `dmesg`, then lower num_workers, "
+                        "batch_size or prefetch_factor)" if -code == sig.SIGKILL else "")
+                out.append(f"DataLoader worker {i} (pid {w.pid}) was killed by signal {name} ({desc}){hint}")
+        return "; ".join(out)
+
+    def _annotate(self, e: Exception) -> None:
+        """Add the failing sample's index (single process) or batch's indices (workers) to the error."""
+        idx = _failing_index(e.__traceback__)
+        note = f"stagingloader: while loading sample index {idx}" if idx is not None else \
+            f"stagingloader: while loading batch {self.loader._yielded} of epoch {self.loader.epoch}"
+        if hasattr(e, "add_note"):
+            e.add_note(note)
+
+    def __del__(self) -> None:  # nothing to release: torch's iterator owns the workers
+        pass
+
+
+def _failing_index(tb: Any) -> Any:
+    """The index torch's fetcher was fetching when a dataset raised (``idx`` in fetch.py's frame)."""
+    found = None
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.endswith(("fetch.py",)) and "idx" in frame.f_locals:
+            found = frame.f_locals["idx"]
+        tb = tb.tb_next
+    return found
+
+
+def _tree_map(fn: Any, batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return type(batch)({k: _tree_map(fn, v) for k, v in batch.items()}) if type(batch) is dict else \
+            {k: _tree_map(fn, v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_tree_map(fn, v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_tree_map(fn, v) for v in batch)
+    return fn(batch)

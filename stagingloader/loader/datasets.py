@@ -1,0 +1,313 @@
+"""Datasets over a staged copy: one sample per file (:class:`StagedFiles`), rows of ``.npy`` (:class:`StagedArrays`).
+
+Both keep their tables in numpy arrays (no per-file Python objects), so a worker's memory does
+not grow by copy-on-access over an epoch, and both read whole batches at once
+(``__getitems__``) straight into the batch's memory: shared memory inside a worker, so the
+batch crosses to the main process without another copy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from ..dataset import StagedDataset
+from ..layout import DatasetDir, find_dataset_dir
+from .collate import GatheredBatch
+from .stats import DECODE_S, READ_BYTES, READ_S, WorkerClock
+
+
+def empty_batch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor for a batch: in shared memory inside a worker (it crosses to the main process as is)."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    storage = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
+    out: torch.Tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
+    return out
+
+
+class _LazyBatch(GatheredBatch):
+    """A gathered batch whose samples are built only if a custom collate_fn asks for them."""
+
+    def __init__(self, n: int, sample: Callable[[int], Any], stacked: Any) -> None:
+        list.__init__(self)
+        self._n, self._sample, self.stacked = n, sample, stacked
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self._sample(j) for j in range(*i.indices(self._n))]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        return self._sample(i)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self._sample(i) for i in range(self._n))
+
+
+def _resolve(staged: StagedDataset | str | os.PathLike[str]) -> tuple[Path, list[str], list[int]]:
+    """(data folder, relative paths, sizes) from a StagedDataset, a staged folder, or any folder."""
+    if isinstance(staged, StagedDataset):
+        return staged.root, list(staged.manifest.path), list(staged.manifest.size)
+    path = Path(staged)
+    try:
+        ddir, version = find_dataset_dir(path)
+        version = version or ddir.current()
+        if version is not None:
+            m = DatasetDir(ddir.path).load_manifest(version)
+            return ddir.version_dir(version) / "data", list(m.path), list(m.size)
+    except Exception:  # not a staged dataset: a plain folder
+        pass
+    rels, sizes = [], []
+    for dirpath, _dirs, names in os.walk(path):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            rels.append(os.path.relpath(full, path))
+            sizes.append(os.path.getsize(full))
+    order = np.argsort(rels, kind="stable")
+    return path, [rels[i] for i in order], [sizes[i] for i in order]
+
+
+class StagedFiles(Dataset[Any]):
+    """One sample per file of a staged copy, with ImageFolder-style labels from the top folder.
+
+    ``decode``: ``"array"`` (a numpy uint8 array of the file's bytes, the default), ``"bytes"``,
+    or a function of the bytes.  ``labels=True`` returns ``(sample, class_index)`` where the
+    classes are the sorted names of the top-level folders (``classes``, ``class_to_idx``).
+    ``include`` keeps only paths ending with one of the given suffixes.
+    """
+
+    def __init__(self, staged: StagedDataset | str | os.PathLike[str], *,
+                 decode: str | Callable[[bytes], Any] = "array", labels: bool = True, include: Sequence[str] = (),
+                 transform: Callable[[Any], Any] | None = None) -> None:
+        if not (decode in ("array", "bytes") or callable(decode)):
+            raise ValueError(f"decode must be 'array', 'bytes' or a function of the bytes, not {decode!r}")
+        root, rels, sizes = _resolve(staged)
+        if include:
+            keep = [i for i, r in enumerate(rels) if r.endswith(tuple(include))]
+            rels, sizes = [rels[i] for i in keep], [sizes[i] for i in keep]
+        if not rels:
+            raise ValueError(f"no files in {root}" + (f" ending with {list(include)}" if include else ""))
+        self.root = root
+        encoded = [r.encode("utf-8", "surrogateescape") for r in rels]
+        self._blob = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+        self._offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum([len(e) for e in encoded], out=self._offsets[1:])
+        self._sizes = np.asarray(sizes, dtype=np.int64)
+        tops = [r.split("/", 1)[0] if "/" in r else "" for r in rels]
+        self.classes = sorted(set(tops))
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        self._labels = np.asarray([self.class_to_idx[t] for t in tops], dtype=np.int64)
+        self._root_b = str(root).encode("utf-8", "surrogateescape") + b"/"
+        self.decode = decode
+        self.labels = labels
+        self.transform = transform
+        self.clock: WorkerClock | None = None  # set by stagingloader.DataLoader
+        self.fadvise = False  # set by the loader on disk tiers: read-ahead hints are useful there
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def path(self, i: int) -> bytes:
+        return self._root_b + self._blob[self._offsets[i]:self._offsets[i + 1]].tobytes()
+
+    def relpath(self, i: int) -> str:
+        return self._blob[self._offsets[i]:self._offsets[i + 1]].tobytes().decode("utf-8", "surrogateescape")
+
+    def _read_into(self, i: int, view: memoryview) -> int:
+        fd = os.open(self.path(i), os.O_RDONLY)
+        try:
+            got = 0
+            while got < len(view):
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    break
+                got += n
+        finally:
+            os.close(fd)
+        if got != len(view):
+            raise OSError(f"{self.path(i).decode(errors='replace')}: expected {len(view)} bytes, read {got}; "
+                          "the staged file changed: run `stagingloader verify`")
+        return got
+
+    def _read(self, i: int) -> bytes:
+        with open(self.path(i), "rb") as f:
+            return f.read()
+
+    def _finish(self, raw: Any, i: int) -> Any:
+        x = raw
+        if callable(self.decode):
+            t0 = time.perf_counter()
+            x = self.decode(raw if isinstance(raw, bytes) else bytes(raw))
+            if self.clock is not None:
+                self.clock.add(DECODE_S, time.perf_counter() - t0)
+        if self.transform is not None:
+            x = self.transform(x)
+        return (x, int(self._labels[i])) if self.labels else x
+
+    def __getitem__(self, i: int) -> Any:
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        t0 = time.perf_counter()
+        data = self._read(i)
+        if self.clock is not None:
+            self.clock.add(READ_S, time.perf_counter() - t0)
+            self.clock.add(READ_BYTES, len(data))
+        raw: Any = np.frombuffer(data, dtype=np.uint8).copy() if self.decode == "array" else data
+        return self._finish(raw, i)
+
+    def __getitems__(self, indices: Sequence[int]) -> Any:
+        idx = np.asarray(indices, dtype=np.int64)
+        idx = np.where(idx < 0, idx + len(self), idx)
+        sizes = self._sizes[idx]
+        stackable = self.decode == "array" and self.transform is None and len(idx) and (sizes == sizes[0]).all()
+        if not stackable:
+            return [self[int(i)] for i in idx]
+        t0 = time.perf_counter()
+        out = empty_batch((len(idx), int(sizes[0])), torch.uint8)
+        arr = out.numpy()
+        for row, i in enumerate(idx):
+            self._read_into(int(i), memoryview(arr[row]))
+        if self.clock is not None:
+            self.clock.add(READ_S, time.perf_counter() - t0)
+            self.clock.add(READ_BYTES, int(sizes.sum()))
+        if not self.labels:
+            return _LazyBatch(len(idx), lambda k: arr[k].copy(), out)
+        labels = self._labels[idx]
+        return _LazyBatch(len(idx), lambda k: (arr[k].copy(), int(labels[k])), [out, torch.from_numpy(labels)])
+
+    def hint(self, indices: Sequence[int]) -> None:
+        """Ask the kernel to start reading these files (disk tiers; nothing to gain on tmpfs)."""
+        if not self.fadvise:
+            return
+        for i in indices:
+            try:
+                fd = os.open(self.path(int(i)), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+
+
+class StagedArrays(Dataset[Any]):
+    """Rows of one or more ``.npy`` files, memory-mapped; batches are gathered with one copy.
+
+    ``files``: a StagedDataset, a folder, or a list of ``.npy`` paths (rows are concatenated in
+    order; all must share the row shape and dtype).  ``labels``: an optional array (or ``.npy``
+    path) with one label per row; samples are then ``(row, label)``.
+    """
+
+    def __init__(self, files: StagedDataset | str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
+                 labels: np.ndarray | str | os.PathLike[str] | None = None) -> None:
+        if isinstance(files, (StagedDataset, str, os.PathLike)):
+            root, rels, _ = _resolve(files)
+            paths = [str(root / r) for r in rels if r.endswith(".npy")] if Path(root).is_dir() else [str(root)]
+        else:
+            paths = [str(p) for p in files]
+        if not paths:
+            raise ValueError(f"no .npy files in {files}")
+        self.paths = paths
+        heads = [np.load(p, mmap_mode="r") for p in paths]
+        shape, dtype = heads[0].shape[1:], heads[0].dtype
+        for p, h in zip(paths, heads):
+            if h.shape[1:] != shape or h.dtype != dtype:
+                raise ValueError(f"{p}: rows of shape {h.shape[1:]} {h.dtype}, "
+                                 f"expected {shape} {dtype} like {paths[0]}")
+        self.row_shape, self.dtype = tuple(shape), dtype
+        self._starts = np.zeros(len(paths) + 1, dtype=np.int64)
+        np.cumsum([h.shape[0] for h in heads], out=self._starts[1:])
+        self._maps: list[np.ndarray] | None = None  # opened lazily in each process
+        lab = np.load(labels) if isinstance(labels, (str, os.PathLike)) else labels
+        if lab is not None and len(lab) != self._starts[-1]:
+            raise ValueError(f"labels has {len(lab)} entries for {self._starts[-1]} rows")
+        self._labels = None if lab is None else np.ascontiguousarray(lab)
+        self.clock: WorkerClock | None = None
+        self.fadvise = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_maps"] = None
+        return state
+
+    def _mm(self) -> list[np.ndarray]:
+        if self._maps is None:
+            self._maps = [np.load(p, mmap_mode="r") for p in self.paths]
+        return self._maps
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        f = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return f, i - int(self._starts[f])
+
+    def __getitem__(self, i: int) -> Any:
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} out of range for {len(self)} rows")
+        t0 = time.perf_counter()
+        f, r = self._locate(i)
+        row = np.array(self._mm()[f][r])
+        if self.clock is not None:
+            self.clock.add(READ_S, time.perf_counter() - t0)
+            self.clock.add(READ_BYTES, row.nbytes)
+        return row if self._labels is None else (row, self._labels[i])
+
+    def __getitems__(self, indices: Sequence[int]) -> Any:
+        t0 = time.perf_counter()
+        n = len(self)
+        idx = np.asarray(indices, dtype=np.int64)
+        idx = np.where(idx < 0, idx + n, idx)
+        if len(idx) and (idx.min() < 0 or idx.max() >= n):
+            raise IndexError(f"row out of range for {n} rows")
+        out = empty_batch((len(idx), *self.row_shape), torch.from_numpy(np.empty(0, self.dtype)).dtype)
+        arr = out.numpy()
+        maps = self._mm()
+        which = np.searchsorted(self._starts, idx, side="right") - 1
+        if len(maps) == 1:
+            np.take(maps[0], idx, axis=0, out=arr)
+        else:
+            for f in np.unique(which):
+                sel = np.nonzero(which == f)[0]
+                arr[sel] = np.take(maps[f], idx[sel] - self._starts[f], axis=0)
+        if self.clock is not None:
+            self.clock.add(READ_S, time.perf_counter() - t0)
+            self.clock.add(READ_BYTES, arr.nbytes)
+        if self._labels is None:
+            return _LazyBatch(len(idx), lambda k: arr[k].copy(), out)
+        labels = self._labels[idx]
+        return _LazyBatch(len(idx), lambda k: (arr[k].copy(), labels[k]), [out, torch.from_numpy(labels)])
+
+    def hint(self, indices: Sequence[int]) -> None:
+        if not self.fadvise:
+            return
+        import mmap
+
+        maps = self._mm()
+        for i in indices:
+            f, r = self._locate(int(i))
+            mm: Any = maps[f]
+            base = getattr(mm, "_mmap", None)
+            if base is None:
+                continue
+            start = mm.offset % mmap.ALLOCATIONGRANULARITY + r * mm.strides[0]
+            page = mmap.PAGESIZE
+            lo = start - start % page
+            base.madvise(mmap.MADV_WILLNEED, lo, min(len(base) - lo, start - lo + mm.strides[0]))

@@ -1,0 +1,40 @@
+"""Turn where the time went into a verdict and a fix."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .stats import EpochStats
+
+
+def explain(e: EpochStats) -> str:
+    """One or two sentences: storage, CPU or transfer, with the fix."""
+    read, cpu = e.read_s, e.decode_s + e.collate_s
+    other = max(e.fetch_s - read - e.decode_s, 0.0)  # dataset time we cannot split (user datasets)
+    busy = read + cpu + other
+    if busy <= 0.0 or e.wait_s > 2 * busy:
+        return ("Workers were mostly idle while the loop waited: the transfer path is the bottleneck (batch hand-off "
+                "from workers, pin_memory or the copy to the device); try device= for an overlapped copy, fewer, "
+                "larger batches, or persistent_workers=True.")
+    if read >= 0.5 * busy:
+        rate = e.read_bytes / read / 1e9 if read > 0 else 0.0
+        return (f"I/O-bound: reading took {read:.1f}s of the workers' {busy:.1f}s (storage delivered {rate:.2f} GB/s). "
+                "Stage the data to node-local storage (`stagingloader stage SRC --root /dev/shm`) or add workers.")
+    if cpu + other >= 0.5 * busy:
+        return (f"CPU-bound: decoding, transforms and collation took {cpu + other:.1f}s of the workers' {busy:.1f}s. "
+                "Add workers (num_workers), lighten the transforms, or decode on the GPU (backend='dali').")
+    return "Storage and CPU share the time; add workers first, then stage to tmpfs if reads still dominate."
+
+
+def diagnose(loader: Any) -> str:
+    """Why ``loader`` stalls (storage, CPU or transfer) and the fix, from its last epoch's stats."""
+    stats = loader.stats
+    e = stats.epochs[-1] if stats.epochs else stats.total
+    head = (f"data stall {100 * e.stall_fraction:.0f}% of step time over {e.batches} batches "
+            f"({e.samples_per_s:.0f} samples/s, waited {e.wait_s:.2f}s of {e.wall_s:.2f}s)")
+    from .stats import STALL_WARNING
+
+    if e.stall_fraction <= STALL_WARNING:
+        return head + ": the loader keeps up; data is not the bottleneck."
+    return f"{head}. {explain(e)}"
