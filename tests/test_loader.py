@@ -253,7 +253,9 @@ def test_worker_error_carries_the_worker_traceback() -> None:
 def test_worker_killed_by_a_signal_is_reported_with_pid_and_signal() -> None:
     with pytest.raises(RuntimeError) as exc:
         list(sl.DataLoader(_Broken(5, "kill"), batch_size=2, num_workers=1))
-    assert "(pid " in str(exc.value) and "killed by signal SIGSEGV (Segmentation fault)" in str(exc.value)
+    # torch's own SIGCHLD handler may report first ("is killed by signal: Segmentation fault"), else ours
+    assert "(pid " in str(exc.value) and "killed by signal" in str(exc.value)
+    assert "Segmentation fault" in str(exc.value)
 
 
 def test_worker_killed_by_sigkill_hints_at_the_oom_killer() -> None:
@@ -265,7 +267,8 @@ def test_worker_killed_by_sigkill_hints_at_the_oom_killer() -> None:
 
     with pytest.raises(RuntimeError) as exc:
         list(sl.DataLoader(_Kill(5, "x"), batch_size=2, num_workers=1))
-    assert "SIGKILL" in str(exc.value) and "OOM" in str(exc.value)
+    text = " ".join([str(exc.value), *getattr(exc.value, "__notes__", [])])
+    assert "(pid " in text and "killed by signal" in text and "OOM killer" in text
 
 
 def test_timeout_is_honoured() -> None:

@@ -28,6 +28,11 @@ class GatheredBatch(list):  # type: ignore[type-arg]
 def fast_collate(data: Any) -> Any:
     """``default_collate``, taking a gathered batch's stacked form when there is one."""
     if isinstance(data, GatheredBatch):
+        slot = getattr(data, "slot", None)
+        if slot is not None:
+            from .slots import SlotBatch
+
+            return SlotBatch(data.stacked, *slot)
         return data.stacked
     return default_collate(data)
 

@@ -25,9 +25,12 @@ import torch
 import torch.utils.data as tud
 
 from .collate import TimedCollate
+from .slots import SlotBatch, SlotPool
 from .stats import LoaderStats, WorkerClock
 
 log = logging.getLogger("stagingloader.loader")
+_OOM_HINT = ("SIGKILL is what the kernel's OOM killer sends: check `dmesg`, then lower num_workers, batch_size "
+             "or prefetch_factor")
 
 
 def _generators(obj: Any, seen: set[int] | None = None) -> list[torch.Generator]:
@@ -173,6 +176,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         clock = WorkerClock(workers) if stats else None
         if ours:
             dataset.clock = clock
+            dataset.slots = None
+            if workers and (collate_fn is None or collate_fn is tud.default_collate):
+                dataset.slots = SlotPool(workers, (prefetch_factor or 2) + 2)
         auto = batch_sampler is not None or batch_size is not None
         wrapped = TimedCollate(collate_fn, clock, measure_fetch=not ours, auto_collation=auto)
         super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, wrapped, pin_memory,
@@ -345,7 +351,7 @@ class _LoaderIter:
         try:
             while self._discard:
                 self._discard -= 1
-                next(self.inner)
+                self._pull()
             batch = self._next()
         except StopIteration:
             self._end()
@@ -354,6 +360,8 @@ class _LoaderIter:
             dead = self._dead_workers()
             if dead:
                 raise RuntimeError(dead) from e
+            if "killed by signal: Killed" in str(e) and hasattr(e, "add_note"):
+                e.add_note(_OOM_HINT)
             self._annotate(e)
             raise
         waited = time.perf_counter() - t0
@@ -361,14 +369,21 @@ class _LoaderIter:
         self.loader._yielded += 1
         return batch
 
+    def _pull(self) -> Any:
+        batch = next(self.inner)
+        if isinstance(batch, SlotBatch):
+            pin = self.loader.device is not None and self.loader.device.type == "cuda"
+            batch = batch.unwrap(self.loader.dataset.slots, pin=pin or self.inner._pin_memory)
+        return batch
+
     def _next(self) -> Any:
         if self.loader.device is None:
-            return next(self.inner)
+            return self._pull()
         if self._ahead is None:
-            self._ahead = self._to_device(next(self.inner))
+            self._ahead = self._to_device(self._pull())
         current = self._ahead
         try:
-            self._ahead = self._to_device(next(self.inner))
+            self._ahead = self._to_device(self._pull())
         except StopIteration:
             self._ahead = None
             if current is None:
@@ -422,8 +437,7 @@ class _LoaderIter:
                     desc = sig.strsignal(-code) or name
                 except ValueError:
                     name = desc = f"signal {-code}"
-                hint = (" (SIGKILL is what the kernel's OOM killer sends: check `dmesg`, then lower num_workers, "
-                        "batch_size or prefetch_factor)" if -code == sig.SIGKILL else "")
+                hint = f" ({_OOM_HINT})" if -code == sig.SIGKILL else ""
                 out.append(f"DataLoader worker {i} (pid {w.pid}) was killed by signal {name} ({desc}){hint}")
         return "; ".join(out)
 

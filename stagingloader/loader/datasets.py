@@ -21,13 +21,28 @@ from torch.utils.data import Dataset, get_worker_info
 from ..dataset import StagedDataset
 from ..layout import DatasetDir, find_dataset_dir
 from .collate import GatheredBatch
+from .slots import SlotPool
 from .stats import DECODE_S, READ_BYTES, READ_S, WorkerClock
 
 
-def empty_batch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor for a batch: in shared memory inside a worker (it crosses to the main process as is)."""
-    if get_worker_info() is None:
-        return torch.empty(shape, dtype=dtype)
+def empty_batch(shape: tuple[int, ...], dtype: torch.dtype, slots: SlotPool | None = None,
+                ) -> tuple[torch.Tensor, tuple[int, int] | None]:
+    """A tensor for a batch, and the (worker, slot) it occupies if any.
+
+    Inside a worker it lives in shared memory (it crosses to the main process as is): a reused
+    slot when the loader gave the dataset a slot pool, else a fresh segment as torch does.
+    """
+    info = get_worker_info()
+    if info is None:
+        return torch.empty(shape, dtype=dtype), None
+    if slots is not None:
+        got = slots.empty(shape, dtype)
+        if got is not None:
+            return got[0], (info.id, got[1])
+    return _fresh_shared(shape, dtype), None
+
+
+def _fresh_shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     storage = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
     out: torch.Tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
@@ -37,9 +52,9 @@ def empty_batch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 class _LazyBatch(GatheredBatch):
     """A gathered batch whose samples are built only if a custom collate_fn asks for them."""
 
-    def __init__(self, n: int, sample: Callable[[int], Any], stacked: Any) -> None:
+    def __init__(self, n: int, sample: Callable[[int], Any], stacked: Any, slot: tuple[int, int] | None) -> None:
         list.__init__(self)
-        self._n, self._sample, self.stacked = n, sample, stacked
+        self._n, self._sample, self.stacked, self.slot = n, sample, stacked, slot
 
     def __len__(self) -> int:
         return self._n
@@ -115,6 +130,7 @@ class StagedFiles(Dataset[Any]):
         self.labels = labels
         self.transform = transform
         self.clock: WorkerClock | None = None  # set by stagingloader.DataLoader
+        self.slots: SlotPool | None = None  # set by stagingloader.DataLoader with workers
         self.fadvise = False  # set by the loader on disk tiers: read-ahead hints are useful there
 
     def __len__(self) -> int:
@@ -177,7 +193,7 @@ class StagedFiles(Dataset[Any]):
         if not stackable:
             return [self[int(i)] for i in idx]
         t0 = time.perf_counter()
-        out = empty_batch((len(idx), int(sizes[0])), torch.uint8)
+        out, slot = empty_batch((len(idx), int(sizes[0])), torch.uint8, self.slots)
         arr = out.numpy()
         for row, i in enumerate(idx):
             self._read_into(int(i), memoryview(arr[row]))
@@ -185,9 +201,9 @@ class StagedFiles(Dataset[Any]):
             self.clock.add(READ_S, time.perf_counter() - t0)
             self.clock.add(READ_BYTES, int(sizes.sum()))
         if not self.labels:
-            return _LazyBatch(len(idx), lambda k: arr[k].copy(), out)
+            return _LazyBatch(len(idx), lambda k: arr[k].copy(), out, slot)
         labels = self._labels[idx]
-        return _LazyBatch(len(idx), lambda k: (arr[k].copy(), int(labels[k])), [out, torch.from_numpy(labels)])
+        return _LazyBatch(len(idx), lambda k: (arr[k].copy(), int(labels[k])), [out, torch.from_numpy(labels)], slot)
 
     def hint(self, indices: Sequence[int]) -> None:
         """Ask the kernel to start reading these files (disk tiers; nothing to gain on tmpfs)."""
@@ -237,6 +253,7 @@ class StagedArrays(Dataset[Any]):
             raise ValueError(f"labels has {len(lab)} entries for {self._starts[-1]} rows")
         self._labels = None if lab is None else np.ascontiguousarray(lab)
         self.clock: WorkerClock | None = None
+        self.slots: SlotPool | None = None
         self.fadvise = False
 
     def __getstate__(self) -> dict[str, Any]:
@@ -277,23 +294,24 @@ class StagedArrays(Dataset[Any]):
         idx = np.where(idx < 0, idx + n, idx)
         if len(idx) and (idx.min() < 0 or idx.max() >= n):
             raise IndexError(f"row out of range for {n} rows")
-        out = empty_batch((len(idx), *self.row_shape), torch.from_numpy(np.empty(0, self.dtype)).dtype)
+        out, slot = empty_batch((len(idx), *self.row_shape), torch.from_numpy(np.empty(0, self.dtype)).dtype,
+                                self.slots)
         arr = out.numpy()
         maps = self._mm()
         which = np.searchsorted(self._starts, idx, side="right") - 1
         if len(maps) == 1:
-            np.take(maps[0], idx, axis=0, out=arr)
+            np.take(maps[0], idx, axis=0, out=arr, mode="clip")  # checked above; "raise" buffers a copy
         else:
             for f in np.unique(which):
                 sel = np.nonzero(which == f)[0]
-                arr[sel] = np.take(maps[f], idx[sel] - self._starts[f], axis=0)
+                arr[sel] = np.take(maps[f], idx[sel] - self._starts[f], axis=0, mode="clip")
         if self.clock is not None:
             self.clock.add(READ_S, time.perf_counter() - t0)
             self.clock.add(READ_BYTES, arr.nbytes)
         if self._labels is None:
-            return _LazyBatch(len(idx), lambda k: arr[k].copy(), out)
+            return _LazyBatch(len(idx), lambda k: arr[k].copy(), out, slot)
         labels = self._labels[idx]
-        return _LazyBatch(len(idx), lambda k: (arr[k].copy(), labels[k]), [out, torch.from_numpy(labels)])
+        return _LazyBatch(len(idx), lambda k: (arr[k].copy(), labels[k]), [out, torch.from_numpy(labels)], slot)
 
     def hint(self, indices: Sequence[int]) -> None:
         if not self.fadvise:

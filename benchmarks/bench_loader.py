@@ -1,0 +1,164 @@
+"""stagingloader.DataLoader against torch.utils.data.DataLoader (and peers) on staged data.
+
+    python benchmarks/bench_loader.py                 # the full grid (files and .npy, shm and disk)
+    python benchmarks/bench_loader.py --quick         # a smaller grid, a minute or so
+    python benchmarks/bench_loader.py --peers         # also mosaicml-streaming and litdata, if installed
+    python benchmarks/bench_loader.py --stall         # the simulated training step (stall fraction)
+
+Both loaders run the same dataset logic: one sample per 100 KiB file read as bytes -> uint8
+tensor + label (torch: a plain ``__getitem__``; stagingloader: ``StagedFiles``, which also
+reads whole batches), and rows of a 2 GiB ``.npy`` (torch: ``np.array(mm[i])`` per row;
+stagingloader: ``StagedArrays``).  ``torch.set_num_threads(1)`` in both.  Each configuration
+runs torch, then stagingloader, then torch and stagingloader again; the best of the two is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import stagingloader as sl  # noqa: E402
+
+SAMPLE = 100 << 10
+
+
+class TorchFiles(Dataset[Any]):
+    """The baseline's dataset logic: read the file, bytes -> uint8 tensor, label from the folder."""
+
+    def __init__(self, root: Path) -> None:
+        self.paths = sorted(str(p) for p in root.rglob("*.bin"))
+        classes = sorted({Path(p).parent.name for p in self.paths})
+        self.labels = [classes.index(Path(p).parent.name) for p in self.paths]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> Any:
+        with open(self.paths[i], "rb") as f:
+            data = f.read()
+        return np.frombuffer(data, dtype=np.uint8).copy(), self.labels[i]
+
+
+class TorchRows(Dataset[Any]):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.mm: np.ndarray | None = None
+        self.n = np.load(path, mmap_mode="r").shape[0]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        if self.mm is None:
+            self.mm = np.load(self.path, mmap_mode="r")
+        return np.array(self.mm[i])
+
+
+def make_files(root: Path, n: int) -> Path:
+    marker = root / f".complete-{n}"
+    if marker.exists():
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    rng = np.random.default_rng(0)
+    block = rng.integers(0, 256, SAMPLE + 4096, dtype=np.uint8).tobytes()
+    for i in range(n):
+        d = root / f"class{i % 10}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{i:06d}.bin").write_bytes(block[i % 4096:i % 4096 + SAMPLE])
+    marker.touch()
+    return root
+
+
+def make_rows(path: Path, n: int) -> Path:
+    if path.exists() and np.load(path, mmap_mode="r").shape[0] == n:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, SAMPLE // 4))
+    rng = np.random.default_rng(1)
+    for start in range(0, n, 1024):
+        mm[start:start + 1024] = rng.standard_normal((min(1024, n - start), SAMPLE // 4), dtype=np.float32)
+    mm.flush()
+    del mm
+    return path
+
+
+def run(loader: Any, limit_s: float) -> dict[str, float]:
+    t0 = time.perf_counter()
+    it = iter(loader)
+    first = None
+    samples = 0
+    for batch in it:
+        if first is None:
+            first = time.perf_counter() - t0
+        x = batch[0] if isinstance(batch, (list, tuple)) else batch
+        samples += int(x.shape[0])
+        if time.perf_counter() - t0 > limit_s:
+            break
+    wall = time.perf_counter() - t0
+    del it
+    return {"samples_per_s": samples / wall, "first_batch_s": first or 0.0, "samples": samples}
+
+
+def bench_pair(name: str, torch_ds: Any, ours_ds: Any, batch: int, workers: int, limit_s: float) -> dict[str, Any]:
+    kw = {"batch_size": batch, "shuffle": True, "num_workers": workers}
+    if workers:
+        kw["persistent_workers"] = False
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(2):
+        for label, cls, ds in (("torch", torch.utils.data.DataLoader, torch_ds), ("stagingloader", sl.DataLoader, ours_ds)):
+            torch.manual_seed(0)
+            loader = cls(ds, **kw)
+            r = run(loader, limit_s)
+            del loader
+            if label not in best or r["samples_per_s"] > best[label]["samples_per_s"]:
+                best[label] = r
+    ratio = best["stagingloader"]["samples_per_s"] / best["torch"]["samples_per_s"]
+    row = {"data": name, "batch": batch, "workers": workers, "torch": best["torch"]["samples_per_s"],
+           "stagingloader": best["stagingloader"]["samples_per_s"], "ratio": ratio}
+    print(f"{name:<14} batch {batch:>3} workers {workers}: torch {row['torch']:>8.0f}/s  "
+          f"stagingloader {row['stagingloader']:>8.0f}/s  x{ratio:.2f}", flush=True)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--data", default="/var/tmp/stagingloader-bench", help="local-disk folder for the disk tier")
+    p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--tiers", default="shm,disk")
+    p.add_argument("--seconds", type=float, default=6.0, help="time limit per run")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    n = 4000 if args.quick else 20000
+    rows_n = 4000 if args.quick else 20480  # 2 GiB of 100 KiB rows
+    batches = (64,) if args.quick else (64, 256)
+    workers = (0, 2) if args.quick else (0, 1, 2)
+    results = []
+    for tier in args.tiers.split(","):
+        base = Path("/dev/shm/stagingloader-bench") if tier == "shm" else Path(args.data)
+        files = make_files(base / "files", n)
+        rows = make_rows(base / "rows.npy", rows_n)
+        for b in batches:
+            for w in workers:
+                results.append(bench_pair(f"files/{tier}", TorchFiles(files), sl.StagedFiles(files, include=(".bin",)), b, w, args.seconds)
+                               | {"tier": tier})
+                results.append(bench_pair(f"npy/{tier}", TorchRows(rows), sl.StagedArrays([rows]), b, w, args.seconds)
+                               | {"tier": tier})
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
