@@ -14,6 +14,7 @@ worker behaviour is torch's own.  What it adds:
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import weakref
@@ -228,7 +229,16 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         pre = _RngState(self)
         self.stats.start_epoch(self.epoch, self.clock)  # before the workers start prefetching
-        inner = super().__iter__()
+        if self.num_workers > 0 and self._iterator is None and self._forks():
+            # freeze the heap while workers fork: their garbage collector then leaves the objects they
+            # inherit alone, instead of writing to (and so copying) every page of them
+            gc.freeze()
+            try:
+                inner = super().__iter__()
+            finally:
+                gc.unfreeze()
+        else:
+            inner = super().__iter__()
         return _LoaderIter(self, inner, pre)
 
     # ---- extras --------------------------------------------------------------------------------
@@ -282,6 +292,11 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _forks(self) -> bool:
+        ctx = self.multiprocessing_context
+        method = ctx.get_start_method() if ctx is not None else torch.multiprocessing.get_start_method(allow_none=True)
+        return (method or "fork") == "fork"
 
     def _path_note(self) -> str:
         if self.device is None or self.device.type == "cpu":
@@ -373,7 +388,7 @@ class _LoaderIter:
         batch = next(self.inner)
         if isinstance(batch, SlotBatch):
             pin = self.loader.device is not None and self.loader.device.type == "cuda"
-            batch = batch.unwrap(self.loader.dataset.slots, pin=pin or self.inner._pin_memory)
+            batch = batch.unwrap(self.loader.dataset.slots, pin=pin or self.inner._pin_memory)  # type: ignore[attr-defined]
         return batch
 
     def _next(self) -> Any:

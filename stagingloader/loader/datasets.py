@@ -71,6 +71,9 @@ class _LazyBatch(GatheredBatch):
     def __iter__(self) -> Iterator[Any]:
         return (self._sample(i) for i in range(self._n))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (list, (list(self),))  # a custom collate_fn returned it as is: cross as a plain list
+
 
 def _resolve(staged: StagedDataset | str | os.PathLike[str]) -> tuple[Path, list[str], list[int]]:
     """(data folder, relative paths, sizes) from a StagedDataset, a staged folder, or any folder."""
