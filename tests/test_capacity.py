@@ -119,5 +119,7 @@ def test_auto_root_prefers_env_then_scratch_then_shm(tmp_path: Path) -> None:
     with pytest.raises(sl.NoSpaceError) as exc:
         resolve_root("auto", 1 << 60, "k", max_ram_fraction=0.5, env={"SLURM_TMPDIR": str(scratch)}, user="u")
     assert str(scratch) in str(exc.value) and "/dev/shm" in str(exc.value)
-    tier, why = resolve_root("auto", 10, "k", max_ram_fraction=0.5, env={}, user="u")
-    assert tier.kind == "tmpfs" and "/dev/shm" in why
+    user = f"test-{os.getpid()}"
+    tier, why = resolve_root("auto", 10, "k", max_ram_fraction=0.5, env={}, user=user)
+    assert tier.kind == "tmpfs" and "/dev/shm" in why and tier.path == Path(f"/dev/shm/stagingloader-{user}")
+    tier.path.rmdir()
