@@ -131,6 +131,30 @@ def bench_pair(name: str, torch_ds: Any, ours_ds: Any, batch: int, workers: int,
     return row
 
 
+def bench_stall(ds: Any, batch: int, workers: int, seconds: float) -> dict[str, Any]:
+    """A consumer that sleeps a fixed step per batch, set to 1/1.2 of the loader's capacity."""
+    loader = sl.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers)
+    cap = max(run(loader, seconds)["samples_per_s"] for _ in range(2)) / batch  # batches/s
+    step = 1.2 / cap
+    n = int(seconds / step) + 10
+    it = iter(loader)
+    for k, _batch in enumerate(it):
+        time.sleep(step)
+        if k >= n:
+            break
+    del it
+    e = loader.stats.current or loader.stats.epochs[-1]
+    waits = e.waits[1:]  # the first batch waits for the workers to start
+    stall = sum(waits) / max(e.wall_s if e.wall_s else time.perf_counter() - loader.stats._t_start, 1e-9)
+    row = {"batch": batch, "workers": workers, "capacity_batches_per_s": cap, "step_s": step,
+           "stall_fraction": stall, "wait_p50_ms": 1e3 * float(np.median(waits)),
+           "wait_p99_ms": 1e3 * float(np.percentile(waits, 99))}
+    print(f"stall: batch {batch} workers {workers}: capacity {cap:.1f} batches/s, step {1e3 * step:.1f} ms "
+          f"(1.2x slower) -> stall {100 * stall:.2f}% (p50 {row['wait_p50_ms']:.2f} ms, "
+          f"p99 {row['wait_p99_ms']:.2f} ms)", flush=True)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -138,6 +162,7 @@ def main() -> None:
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--tiers", default="shm,disk")
     p.add_argument("--seconds", type=float, default=6.0, help="time limit per run")
+    p.add_argument("--stall", action="store_true", help="only the simulated-training-step stall benchmark")
     args = p.parse_args()
     torch.set_num_threads(1)
     n = 4000 if args.quick else 20000
@@ -145,6 +170,16 @@ def main() -> None:
     batches = (64,) if args.quick else (64, 256)
     workers = (0, 2) if args.quick else (0, 1, 2)
     results = []
+    if args.stall:
+        base = Path("/dev/shm/stagingloader-bench")
+        files = make_files(base / "files", n)
+        rows = make_rows(base / "rows.npy", rows_n)
+        for name, ds in (("files", sl.StagedFiles(files, include=(".bin",))), ("npy", sl.StagedArrays([rows]))):
+            for w in (1, 2):
+                results.append(bench_stall(ds, 64, w, args.seconds) | {"data": name})
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+        return
     for tier in args.tiers.split(","):
         base = Path("/dev/shm/stagingloader-bench") if tier == "shm" else Path(args.data)
         files = make_files(base / "files", n)
