@@ -163,6 +163,42 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--output", metavar="PATH", help="where to write the manifest (default: inside SRC)")
     m.add_argument("--workers", type=_positive_int, metavar="N", help="parallel hashing")
 
+    pr = sub.add_parser("probe", parents=[common, src_opts],
+                        help="measure a tier's or a source's read/write bandwidth, file rate and latency",
+                        description="Measure a staging tier (an empty folder: written and read back) or a source "
+                                    "(a folder with files or an object-store URL: only read) in about --seconds. "
+                                    "Results are kept per node for `plan`.")
+    pr.add_argument("target", metavar="PATH|URL")
+    pr.add_argument("--seconds", type=float, default=30.0, help="time budget (default: 30)")
+    pr.add_argument("--force", action="store_true", help="probe a folder that is not empty (in a subfolder)")
+
+    pl = sub.add_parser("plan", parents=[common, src_opts],
+                        help="will this storage keep the GPUs fed? which tier? how long to stage?",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="List SRC, compute the bandwidth the job needs (mean sample bytes x samples/s x "
+                                    "GPUs), probe the source and the node's tiers (or reuse recent probes), and say "
+                                    "whether reading the source directly would stall, which tier fits, how long "
+                                    "staging takes, and the command to run.",
+                        epilog="example:\n  stagingloader plan /nfs/imagenet/train --samples-per-s 3000 --gpus 8 "
+                               "--epochs 90 --job-ram 64G\n\n" + EPILOG)
+    pl.add_argument("src", metavar="SRC")
+    pl.add_argument("--samples-per-s", type=float, required=True, metavar="R", help="samples per second per GPU")
+    pl.add_argument("--gpus", type=_positive_int, default=1, metavar="N")
+    pl.add_argument("--epochs", type=_positive_int, default=1, metavar="E")
+    pl.add_argument("--job-ram", type=_size, default=0, metavar="BYTES", help="RAM the job itself needs (e.g. 64G)")
+    pl.add_argument("--tier", action="append", metavar="DIR", help="tiers to consider (default: the auto candidates)")
+    pl.add_argument("--seconds", type=float, default=10.0, help="probe budget per target (default: 10)")
+    pl.add_argument("--fresh", action="store_true", help="probe again even if this node has recent probes")
+    pl.add_argument("--checkpoint-params", type=float, metavar="P", help="model parameters, for checkpoint sizing")
+    pl.add_argument("--bytes-per-param", type=float, default=12.0, help="checkpoint bytes per parameter (default 12)")
+    pl.add_argument("--checkpoint-every", type=float, default=30.0, metavar="MIN", help="minutes between checkpoints")
+
+    st = sub.add_parser("stats", parents=[common], help="a saved loader's stats as a table (and a plot)",
+                        description="Pretty-print stats saved by `loader.stats.save(path)`; --plot draws the wait "
+                                    "time of every step (needs matplotlib).")
+    st.add_argument("file", metavar="FILE")
+    st.add_argument("--plot", metavar="PNG", help="write a timeline of the wait per step")
+
     d = sub.add_parser("demo", parents=[common],
                        help="build a sample dataset, stage it, verify it, print the summary",
                        description="Builds a labelled sample dataset (small files and a few large ones) in a local "

@@ -158,3 +158,117 @@ def cmd_demo(args: argparse.Namespace) -> Result:
     from .demo import run_demo
 
     return run_demo(args)
+
+
+def cmd_probe(args: argparse.Namespace) -> Result:
+    from pathlib import Path
+
+    from . import probe
+
+    env = dict(os.environ)
+    local = "://" not in args.target or args.target.startswith("file://")
+    path = Path(args.target.removeprefix("file://"))
+    if local and not path.exists():
+        raise UsageError(f"{args.target} does not exist; give an empty folder (a tier) or a dataset folder or URL")
+    if local and path.is_dir() and (args.force or not any(path.iterdir())):
+        res = probe.probe_tier(path, args.seconds, force=args.force)
+    else:
+        res = probe.probe_source(args.target, args.seconds, args.storage_options)
+    saved = probe.save(res, env)
+    if not args.json:
+        print(f"probe of {res.target} ({res.kind}, {res.fs_type}) in {res.seconds:.1f}s")
+        if res.seq_write_gbps is not None:
+            print(f"  sequential write  {res.seq_write_gbps:6.2f} GB/s")
+        if res.seq_read_gbps is not None:
+            print(f"  sequential read   {res.seq_read_gbps:6.2f} GB/s   ({res.cold_read})")
+        for size, phases in res.files_per_s.items():
+            print(f"  {size:>7} files   " + ", ".join(f"{k} {v:,.0f}/s" for k, v in phases.items()))
+        for op, lat in res.latency_ms.items():
+            print(f"  latency {op:<14} p50 {lat['p50']:.3f} ms  p99 {lat['p99']:.3f} ms")
+        for n, row in res.get_concurrency.items():
+            print(f"  {n:>3} in flight    {row['MB/s']:8.1f} MB/s  {row['objects/s']:8.0f} objects/s  "
+                  f"p50 {row['p50_ms']:.2f} ms  p99 {row['p99_ms']:.2f} ms")
+        print(f"  kept in {saved}")
+    return ExitCode.OK, {"ok": True, **res.to_dict(), "saved": str(saved)}
+
+
+def cmd_plan(args: argparse.Namespace) -> Result:
+    from . import planner
+
+    facts, notes = planner.gather(
+        args.src, samples_per_s=args.samples_per_s, gpus=args.gpus, epochs=args.epochs, job_ram=args.job_ram,
+        storage_options=args.storage_options, env=dict(os.environ), seconds=args.seconds, reuse=not args.fresh,
+        checkpoint_params=args.checkpoint_params, bytes_per_param=args.bytes_per_param,
+        checkpoint_every_min=args.checkpoint_every, tiers=args.tier)
+    plan = planner.assess(facts)
+    if not args.json:
+        print(f"{facts.source}: {facts.files} files, {human_bytes(facts.total_bytes)}, mean "
+              f"{human_bytes(facts.mean_bytes)}, p99 {human_bytes(facts.p99_bytes)}")
+        print(f"needs {plan.need_gbps:.3f} GB/s ({human_bytes(facts.mean_bytes)} x {facts.samples_per_s:g} samples/s "
+              f"x {facts.gpus} GPUs); the source delivers {facts.source_gbps:.3f} GB/s")
+        if plan.link:
+            print(plan.link)
+        print(f"{'tier':<34} {'fits':<5} {'room':>10} {'stage':>8} {'reads':>10}  GDS")
+        for t in plan.tiers:
+            stage = f"{t['stage_s']:.0f}s" if t["stage_s"] else "-"
+            print(f"{t['tier']:<34} {'yes' if t['fits'] else 'no':<5} {human_bytes(t['room_bytes']):>10} {stage:>8} "
+                  f"{t['read_gbps']:>6.2f} GB/s  {'possible' if t['gds'] else 'no'}")
+        for c in plan.checkpoint:
+            print(f"checkpoint {human_bytes(c['bytes'])} to {c['tier']}: {c['write_s']:.1f}s, "
+                  f"{100 * c['overhead']:.1f}% of every {args.checkpoint_every:g} min"
+                  f" ({'ok' if c['under_5_percent'] else 'over 5%'})")
+        for n in notes:
+            print(f"note: {n}")
+        print("\n" + plan.verdict)
+        for r in plan.reasons:
+            print(f"  - {r}")
+        if plan.command:
+            print(f"run: {plan.command}")
+    return ExitCode.OK, {"ok": True, "facts": {**facts.__dict__, "tiers": [t.__dict__ for t in facts.tiers]},
+                         **plan.to_dict(), "notes": notes}
+
+
+def cmd_stats(args: argparse.Namespace) -> Result:
+    import json
+    from pathlib import Path
+
+    try:
+        doc = json.loads(Path(args.file).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{args.file} does not exist; save stats with loader.stats.save(path)") from None
+    except ValueError:
+        raise UsageError(f"{args.file} is not JSON written by loader.stats.save()") from None
+    if not isinstance(doc, dict) or doc.get("format") != "stagingloader-stats":
+        raise UsageError(f"{args.file} is not a stagingloader stats file (written by loader.stats.save())")
+    if not args.json:
+        print(f"{'epoch':>5} {'batches':>8} {'samples/s':>10} {'MB/s':>8} {'stall':>7} {'p50 ms':>8} {'p99 ms':>8} "
+              f"{'first s':>8} {'read s':>7} {'decode s':>8} {'collate s':>9}")
+        for e in [*doc["epochs"], {**doc["total"], "epoch": "all"}]:
+            print(f"{e['epoch']!s:>5} {e['batches']:>8} {e['samples_per_s']:>10.0f} {e['bytes_per_s'] / 1e6:>8.1f} "
+                  f"{100 * e['stall_fraction']:>6.1f}% {1e3 * e['wait_p50_s']:>8.2f} {1e3 * e['wait_p99_s']:>8.2f} "
+                  f"{e['first_batch_s']:>8.2f} {e['read_s']:>7.2f} {e['decode_s']:>8.2f} {e['collate_s']:>9.2f}")
+        if doc.get("path"):
+            print(f"path: {doc['path']}")
+    if args.plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'stagingloader[plot]'") from None
+        fig, ax = plt.subplots(figsize=(10, 3.5))
+        step = 0
+        for e in doc["epochs"]:
+            waits = [1e3 * w for w in e.get("waits", [])]
+            ax.plot(range(step, step + len(waits)), waits, lw=0.8, label=f"epoch {e['epoch']}")
+            step += len(waits)
+        ax.set_xlabel("step")
+        ax.set_ylabel("wait for the batch (ms)")
+        ax.set_title(f"time the training loop waited on data ({args.file})")
+        ax.legend(loc="upper right", fontsize="small")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        if not args.json:
+            print(f"plot: {args.plot}")
+    return ExitCode.OK, {"ok": True, **doc}
