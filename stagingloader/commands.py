@@ -210,7 +210,7 @@ def cmd_plan(args: argparse.Namespace) -> Result:
             print(plan.link)
         print(f"{'tier':<34} {'fits':<5} {'room':>10} {'stage':>8} {'reads':>10}  GDS")
         for t in plan.tiers:
-            stage = f"{t['stage_s']:.0f}s" if t["stage_s"] else "-"
+            stage = f"{t['stage_s']:.1f}s" if t["stage_s"] else "-"
             print(f"{t['tier']:<34} {'yes' if t['fits'] else 'no':<5} {human_bytes(t['room_bytes']):>10} {stage:>8} "
                   f"{t['read_gbps']:>6.2f} GB/s  {'possible' if t['gds'] else 'no'}")
         for c in plan.checkpoint:

@@ -89,7 +89,7 @@ def assess(f: Facts) -> Plan:
                "stage_s": stage_s, "read_gbps": t.read_gbps, "keeps_up": keeps_up,
                "gds": t.kind != "tmpfs" and t.fs_type in ("ext4", "xfs")}
         plan.tiers.append(row)
-        if fits and keeps_up:
+        if fits:
             fitting.append(row)
     reread = f.epochs > 1
     if not plan.direct_stalls and not reread:
@@ -98,10 +98,16 @@ def assess(f: Facts) -> Plan:
                             "and one epoch reads each byte once")
     elif fitting:
         # RAM when the data fits beside the job and is reread every epoch; else the disk
-        tmpfs = [r for r in fitting if r["kind"] == "tmpfs"]
-        disk = [r for r in fitting if r["kind"] != "tmpfs"]
+        fast = [r for r in fitting if r["keeps_up"]] or sorted(fitting, key=lambda r: -r["read_gbps"])[:1]
+        tmpfs = [r for r in fast if r["kind"] == "tmpfs"]
+        disk = [r for r in fast if r["kind"] != "tmpfs"]
         pick = tmpfs[0] if tmpfs and (reread or not disk) else (disk[0] if disk else tmpfs[0])
         plan.recommendation = f"stage to {pick['tier']} ({pick['kind']})"
+        if not pick["keeps_up"]:
+            capped = min(1.0, pick["read_gbps"] * RESERVE / need)
+            plan.reasons.append(f"even {pick['tier']} reads at {pick['read_gbps']:.2f} GB/s in one stream: about "
+                                f"{100 * capped:.0f}% of the need; use several loader workers, and check the "
+                                "stall fraction the loader reports")
         if plan.direct_stalls:
             plan.reasons.append(f"reading the source directly would cap GPU utilisation at {100 * util:.0f}% "
                                 f"({f.source_gbps:.2f} GB/s of the {need:.2f} GB/s needed)")
@@ -110,12 +116,12 @@ def assess(f: Facts) -> Plan:
         plan.reasons.append(f"{pick['tier']} has room ({human_bytes(pick['room_bytes'])} for "
                             f"{human_bytes(f.total_bytes)}) and reads at {pick['read_gbps']:.2f} GB/s")
         if pick["stage_s"]:
-            plan.reasons.append(f"staging takes about {pick['stage_s']:.0f} s")
+            plan.reasons.append(f"staging takes about {pick['stage_s']:.1f} s")
         root = pick["tier"]
         plan.command = f"stagingloader stage {f.source} --root {root}"
     else:
         plan.recommendation = "no local tier fits: read from the source, or shard across nodes"
-        plan.reasons.append(f"{human_bytes(f.total_bytes)} fits no tier that keeps up with {need:.2f} GB/s; "
+        plan.reasons.append(f"{human_bytes(f.total_bytes)} fits no local tier; "
                             "use `stagingloader stage SRC --shard node` so each node holds its part")
     if f.checkpoint_params:
         size = f.checkpoint_params * f.bytes_per_param

@@ -100,14 +100,14 @@ def probe_tier(folder: Path, seconds: float = 30.0, force: bool = False) -> Prob
     t_start = _timer()
     try:
         budget = seconds
-        size = _seq_size(folder, budget)
-        buf = bytearray(os.urandom(BLOCK))
+        size, block = _seq_size(folder, budget)
+        buf = bytearray(os.urandom(block))
         view = memoryview(buf)
         big = work / "seq.bin"
         t0 = _timer()
         fd = os.open(big, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
-            for _ in range(size // BLOCK):
+            for _ in range(size // block):
                 os.write(fd, view)
             os.fsync(fd)
         finally:
@@ -133,10 +133,13 @@ def probe_tier(folder: Path, seconds: float = 30.0, force: bool = False) -> Prob
     return res
 
 
-def _seq_size(folder: Path, seconds: float) -> int:
+def _seq_size(folder: Path, seconds: float) -> tuple[int, int]:
+    """(bytes, block) for the sequential test: a sixth of the budget at 1.5 GB/s, at most a quarter of the room."""
     free = shutil.disk_usage(folder).free
-    want = int(min(2 << 30, max(64 << 20, seconds / 6 * 1.5e9)))  # about a sixth of the budget at 1.5 GB/s
-    return max(BLOCK, min(want, free // 4) // BLOCK * BLOCK)
+    want = int(min(2 << 30, max(64 << 20, seconds / 6 * 1.5e9)))
+    size = min(want, free // 4)
+    block = BLOCK if size >= 4 * BLOCK else max(4096, size // 4 // 4096 * 4096)
+    return max(block, size // block * block), block
 
 
 def _small_files(folder: Path, size: int, seconds: float,
@@ -147,12 +150,16 @@ def _small_files(folder: Path, size: int, seconds: float,
     create: list[float] = []
     deadline = _timer() + seconds / 3  # leave time for the sync and the reads
     t0 = _timer()
-    while _timer() < deadline and len(create) < 200_000:
+    room = shutil.disk_usage(folder).free // 2
+    while _timer() < deadline and len(create) < 200_000 and (len(create) + 1) * max(size, 4096) < room:
         t = _timer()
         fd = os.open(folder / f"{len(create):07d}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.write(fd, data)
         os.close(fd)
         create.append(_timer() - t)
+    if not create:
+        shutil.rmtree(folder, ignore_errors=True)
+        return {}, {}
     write_rate = len(create) / (_timer() - t0)
     if not memory:
         os.sync()  # once for all; then each file's pages can be dropped without an fsync of its own
