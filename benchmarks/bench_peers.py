@@ -33,6 +33,7 @@ import argparse
 import gc
 import importlib.machinery
 import json
+import multiprocessing
 import os
 import shutil
 import sys
@@ -117,10 +118,16 @@ def _litdata_item(item: tuple[str, int]) -> dict[str, Any]:
 
 def convert_litdata(files: TorchFiles, out: Path, workers: int) -> float:
     shutil.rmtree(out, ignore_errors=True)
+    method = multiprocessing.get_start_method()
     t0 = time.perf_counter()
     litdata.optimize(fn=_litdata_item, inputs=list(zip(files.paths, files.labels)), output_dir=str(out),
                      chunk_bytes="64MB", num_workers=workers, mode="overwrite")
-    return time.perf_counter() - t0
+    took = time.perf_counter() - t0
+    # optimize() switches the whole process to "spawn" (force=True): every DataLoader worker started after
+    # it would re-import this script, streaming and transformers (seconds).  A training script converts
+    # once, elsewhere; put the start method back.
+    multiprocessing.set_start_method(method, force=True)
+    return took
 
 
 # ---------------------------------------------------------------------------------------------- datasets

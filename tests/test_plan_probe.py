@@ -57,7 +57,8 @@ def test_plan_verdicts() -> None:
     assert p.need_gbps == pytest.approx(110e3 * 2500 * 8 / 1e9)
     assert p.direct_stalls and p.direct_gpu_util == pytest.approx(0.8 * 0.9 / 2.2)
     assert "10 Gb/s link delivers at most 1.25 GB/s" in p.link and "cannot keep up" in p.link
-    assert p.recommendation == "stage to /dev/shm (tmpfs)" and p.command == "stagingloader stage s3://b/data --root /dev/shm"
+    assert p.recommendation == "stage to /dev/shm (tmpfs)"
+    assert p.command == "stagingloader stage s3://b/data --root /dev/shm"
     # the job's own RAM leaves no room in tmpfs: NVMe instead
     tight = assess(_facts(job_ram=200 << 30))
     assert tight.tiers[0]["fits"] is False and tight.recommendation == "stage to /nvme (disk)"
