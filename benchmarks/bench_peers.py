@@ -4,7 +4,7 @@ The peers live in a venv of their own (they would replace numpy/botocore/torch i
 
     python3 -m venv .venv-peers && .venv-peers/bin/pip install -r benchmarks/peers-requirements.txt
     .venv-peers/bin/pip uninstall -y torchvision   # PyPI's build needs CUDA torch: 'torchvision::nms does not exist'
-    .venv-peers/bin/python benchmarks/bench_peers.py --out benchmarks/results/peers.json
+    .venv-peers/bin/python benchmarks/bench_peers.py --out /tmp/peers.json
 
 The data is bench_loader.py's: 20,000 files of 100 KiB in 10 class folders (``make_files``), made
 under ``/dev/shm/stagingloader-bench/peers/files`` (a folder of its own, so that a concurrent
@@ -166,11 +166,11 @@ def make_litdata(optimized: Path, workers: int) -> Any:
 
 # ---------------------------------------------------------------------------------------------- measuring
 
-def run(make: Callable[[], Any], limit_s: float) -> dict[str, float]:
-    """samples/s and first batch, both timed from before the dataset is built."""
+def run(make: Callable[[int], Any], workers: int, limit_s: float) -> dict[str, float]:
+    """samples/s and first batch, both timed from before the dataset is built (at most one epoch)."""
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    loader = make()
+    loader = make(workers)
     setup = time.perf_counter() - t0
     it = iter(loader)
     first = None
@@ -189,15 +189,14 @@ def run(make: Callable[[], Any], limit_s: float) -> dict[str, float]:
     return {"samples_per_s": samples / wall, "first_batch_s": first or 0.0, "setup_s": setup, "samples": samples}
 
 
-def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
-    t0 = time.monotonic()
+def wait_for_quiet(max_load: float, deadline: float) -> float:
+    """Wait until the 1-minute load is at most ``max_load`` (polling every 30 s) or ``deadline`` passes."""
     while True:
         load = os.getloadavg()[0]
-        if load <= max_load or time.monotonic() - t0 >= max_wait_s:
+        if load <= max_load or time.monotonic() >= deadline:
             return load
-        print(f"load {load:.2f} > {max_load}: waiting (polling every 30 s, {time.monotonic() - t0:.0f} s so far)",
-              flush=True)
-        time.sleep(30)
+        print(f"load {load:.2f} > {max_load}: waiting ({deadline - time.monotonic():.0f} s left)", flush=True)
+        time.sleep(min(30.0, max(deadline - time.monotonic(), 0.0)))
 
 
 def main() -> None:
@@ -208,12 +207,16 @@ def main() -> None:
     p.add_argument("--workers", default="0,2")
     p.add_argument("--convert-workers", type=int, default=2, help="litdata.optimize's num_workers")
     p.add_argument("--max-load", type=float, default=1.5)
-    p.add_argument("--max-wait", type=float, default=600.0, help="seconds to wait for the load to drop")
+    p.add_argument("--max-wait", type=float, default=600.0,
+                   help="seconds (in all) to wait for the load to drop, before converting and before measuring")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
     torch.set_num_threads(1)
+    deadline = time.monotonic() + args.max_wait
     root = Path(args.root)
     files = make_files(root / "files", args.n)
+    load_convert = wait_for_quiet(args.max_load, deadline)
+    print(f"converting at load {load_convert:.2f} (1-minute average)", flush=True)
     listing = TorchFiles(files)
     mds, optimized = root / "mds", root / "litdata"
     conversion = {"torch": 0.0, "stagingloader": 0.0}
@@ -228,7 +231,7 @@ def main() -> None:
         "streaming": lambda w: make_streaming(mds, w),
         "litdata": lambda w: make_litdata(optimized, w),
     }
-    load_before = wait_for_quiet(args.max_load, args.max_wait)
+    load_before = wait_for_quiet(args.max_load, deadline)
     loads = [load_before]
     print(f"measuring at load {load_before:.2f} (1-minute average)", flush=True)
     rows = []
@@ -236,7 +239,7 @@ def main() -> None:
         best: dict[str, dict[str, float]] = {}
         for _ in range(2):
             for name, make in makers.items():
-                r = run(lambda make=make: make(w), args.seconds)
+                r = run(make, w, args.seconds)
                 if name not in best or r["samples_per_s"] > best[name]["samples_per_s"]:
                     best[name] = r
             loads.append(os.getloadavg()[0])
@@ -248,10 +251,11 @@ def main() -> None:
     for r in rows:
         print(f"{r['loader']:<14} {r['workers']:>7} {r['samples_per_s']:>10.0f} {r['first_batch_s']:>11.2f}s "
               f"{r['conversion_s']:>10.1f}s {r['stagingloader_ratio']:>15.2f}x")
-    print(f"1-minute load: {load_before:.2f} at the start, max {max(loads):.2f} during the runs")
+    print(f"1-minute load: {load_convert:.2f} when converting, {load_before:.2f} at the start of the runs, "
+          f"max {max(loads):.2f} during them")
     if args.out:
         meta = {"n_files": args.n, "sample_bytes": 100 << 10, "batch": BATCH, "seconds": args.seconds,
-                "load_start": load_before, "load_max": max(loads), "cpus": os.cpu_count(),
+                "load_convert": load_convert, "load_start": load_before, "load_max": max(loads), "cpus": os.cpu_count(),
                 "versions": {"torch": torch.__version__, "mosaicml-streaming": streaming.__version__,
                              "litdata": litdata.__version__, "numpy": np.__version__}}
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

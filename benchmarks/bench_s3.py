@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -240,11 +241,11 @@ def main(argv: list[str] | None = None) -> int:
                                "upload_s": up, "sets": {}}
         for name, (n, size) in sets.items():
             url = f"s3://{BUCKET}/{name}"
+            sl_args = [*sl, "stage", url, "--json", "-q", "--endpoint-url", srv.endpoint_url, *creds]
+            loop_args = [sys.executable, "-c", LOOP, srv.endpoint_url, opts["key"], opts["secret"], f"{BUCKET}/{name}"]
             methods: dict[str, Callable[[Path], list[str]]] = {
-                "stagingloader": lambda r, url=url: [*sl, "stage", url, "--root", str(r), "--json", "-q",
-                                                     "--endpoint-url", srv.endpoint_url, *creds],
-                "s3fs fs.get loop": lambda r, name=name: [sys.executable, "-c", LOOP, srv.endpoint_url, opts["key"],
-                                                          opts["secret"], f"{BUCKET}/{name}", str(r / "out")],
+                "stagingloader": functools.partial(lambda a, r: [*a, "--root", str(r)], sl_args),
+                "s3fs fs.get loop": functools.partial(lambda a, r: [*a, str(r / "out")], loop_args),
             }
             samples = {m: B.Samples() for m in methods}
             for p in range(1 + repeats):

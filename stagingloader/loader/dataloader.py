@@ -26,9 +26,9 @@ import torch
 import torch.utils.data as tud
 
 from .collate import TimedCollate
-from .iterator import _LoaderIter
+from .iterator import _LoaderIter, note_oom
 from .slots import SlotPool
-from .stats import LoaderStats, WorkerClock
+from .stats import GpuSampler, LoaderStats, WorkerClock
 
 log = logging.getLogger("stagingloader.loader")
 
@@ -189,7 +189,10 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         self.clock = clock
         self.device = torch.device(device) if device is not None else None
         self.readahead = max(0, int(readahead))
-        self.stats = LoaderStats(self._path_note())
+        gpu_index = None
+        if self.device is not None and self.device.type == "cuda":
+            gpu_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.stats = LoaderStats(self._path_note(), GpuSampler(gpu_index) if stats else None)
         self.epoch = 0
         self._hints = ours and self._on_disk_tier(dataset)
         if ours:
@@ -228,17 +231,20 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         pre = _RngState(self)
         self.stats.start_epoch(self.epoch, self.clock)  # before the workers start prefetching
-        if self.num_workers > 0 and self._iterator is None and self._forks():
-            # freeze the heap while workers fork: their garbage collector then leaves the objects they
-            # inherit alone, instead of writing to (and so copying) every page of them
-            gc.freeze()
-            try:
-                inner = super().__iter__()
-            finally:
-                gc.unfreeze()
-        else:
+        freeze = self.num_workers > 0 and self._iterator is None and self._forks()
+        try:
+            if freeze:
+                # freeze the heap while workers fork: their garbage collector then leaves the objects they
+                # inherit alone, instead of writing to (and so copying) every page of them
+                gc.freeze()
             inner = super().__iter__()
-        return _LoaderIter(self, inner, pre)
+            return _LoaderIter(self, inner, pre)
+        except RuntimeError as e:  # a worker already died (torch's SIGCHLD handler raises anywhere)
+            note_oom(e)
+            raise
+        finally:
+            if freeze:
+                gc.unfreeze()
 
     # ---- extras --------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:

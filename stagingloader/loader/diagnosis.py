@@ -35,6 +35,10 @@ def diagnose(loader: Any) -> str:
             f"({e.samples_per_s:.0f} samples/s, waited {e.wait_s:.2f}s of {e.wall_s:.2f}s)")
     from .stats import STALL_WARNING
 
+    if e.gpu_util is not None:
+        head += f"; GPU utilisation {e.gpu_util:.0f}%"
+        if e.gpu_util < 80 and e.stall_fraction > STALL_WARNING:
+            head += " (under 80% while the loop waits on data: the data path holds the GPU back)"
     if e.stall_fraction <= STALL_WARNING:
         return head + ": the loader keeps up; data is not the bottleneck."
     return f"{head}. {explain(e)}"

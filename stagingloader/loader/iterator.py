@@ -21,6 +21,13 @@ OOM_HINT = ("SIGKILL is what the kernel's OOM killer sends: check `dmesg`, then 
             "or prefetch_factor")
 
 
+def note_oom(e: BaseException) -> None:
+    """torch's report of a worker killed by SIGKILL gets the likely reason (the OOM killer) added."""
+    if "killed by signal: Killed" in str(e) and hasattr(e, "add_note") and OOM_HINT not in getattr(
+            e, "__notes__", []):
+        e.add_note(OOM_HINT)
+
+
 class _Receiver:
     """A named thread that takes batches from the workers (and out of their slots) ahead of the loop.
 
@@ -126,8 +133,7 @@ class _LoaderIter:
             dead = self._dead_workers()
             if dead:
                 raise RuntimeError(dead) from e
-            if "killed by signal: Killed" in str(e) and hasattr(e, "add_note"):
-                e.add_note(OOM_HINT)
+            note_oom(e)
             self._annotate(e)
             raise
         waited = time.perf_counter() - t0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,6 +51,52 @@ class WorkerClock:
         return out
 
 
+class GpuSampler:
+    """Samples the GPU's utilisation (NVML, from nvidia-ml-py) every 100 ms while an epoch runs.
+
+    Absent NVML or a GPU, it does nothing and ``mean()`` is None.
+    """
+
+    def __init__(self, device_index: int | None) -> None:
+        self._handle: Any = None
+        self._samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if device_index is None:
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self._nvml = pynvml
+        except Exception:  # no NVML, no driver: utilisation is simply not reported
+            self._handle = None
+
+    def start(self) -> None:
+        if self._handle is None:
+            return
+        self._samples = []
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="stagingloader-nvml", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            try:
+                self._samples.append(float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
+            except Exception:
+                return
+
+    def stop(self) -> float | None:
+        if self._thread is None:
+            return None
+        self._stop.set()
+        self._thread.join(timeout=1)
+        self._thread = None
+        return sum(self._samples) / len(self._samples) if self._samples else None
+
+
 @dataclass
 class EpochStats:
     """Figures of one epoch (or of the whole run, for ``LoaderStats.total``)."""
@@ -68,6 +115,7 @@ class EpochStats:
     collate_s: float = 0.0
     fetch_s: float = 0.0
     read_bytes: int = 0
+    gpu_util: float | None = None  #: mean GPU utilisation (%) over the epoch, where NVML is available
     waits: list[float] = field(default_factory=list, repr=False)
 
     @property
@@ -93,7 +141,8 @@ class EpochStats:
 class LoaderStats:
     """``loader.stats``: per epoch and running totals; ``save(path)`` for ``stagingloader stats``."""
 
-    def __init__(self, path_note: str = "") -> None:
+    def __init__(self, path_note: str = "", gpu: GpuSampler | None = None) -> None:
+        self.gpu = gpu
         self.epochs: list[EpochStats] = []
         self.current: EpochStats | None = None
         self.path_note = path_note  #: how batches reach the consumer, and why
@@ -106,6 +155,8 @@ class LoaderStats:
         self.current = EpochStats(epoch=epoch)
         self._t_start = self._t_last = time.perf_counter()
         self._clock_at_start = clock.totals() if clock is not None else None
+        if self.gpu is not None:
+            self.gpu.start()
 
     def record(self, waited: float, samples: int, nbytes: int) -> None:
         cur = self.current
@@ -125,6 +176,8 @@ class LoaderStats:
         if cur is None:
             return None
         cur.wall_s = self._t_last - self._t_start
+        if self.gpu is not None:
+            cur.gpu_util = self.gpu.stop()
         if cur.waits:
             cur.wait_p50_s, cur.wait_p99_s = (float(x) for x in np.percentile(cur.waits, [50, 99]))
         if clock is not None and self._clock_at_start is not None:
@@ -170,6 +223,9 @@ class LoaderStats:
             e.epoch, e.batches, e.samples_per_s, e.bytes_per_s / 1e6, e.wait_s, e.wall_s, 100 * e.stall_fraction,
             1e3 * e.wait_p50_s, 1e3 * e.wait_p99_s, e.first_batch_s, e.read_s, e.decode_s, e.collate_s,
         )
+        if e.gpu_util is not None:
+            log.info("epoch %d: GPU utilisation %.0f%% on average while the loop waited %.1f%% of the time",
+                     e.epoch, e.gpu_util, 100 * e.stall_fraction)
         if e.stall_fraction > STALL_WARNING and e.batches >= WARN_MIN_BATCHES and e.wall_s >= WARN_MIN_SECONDS:
             log.warning("epoch %d: the training loop waited on data %.0f%% of the time. %s",
                         e.epoch, 100 * e.stall_fraction, self.blame(e))
