@@ -294,8 +294,8 @@ def task_prolog_lines(status: dict[str, Any] | None) -> list[str]:
     if state == "failed" and not status.get("datasets"):
         return [f"export STAGINGLOADER_STATUS=failed: {_one_line(status.get('reason', ''))}"]
     for i, d in enumerate(status.get("datasets", [])):
-        suffix = f"_{d['name'].upper()}" if d.get("name") else ""
-        names = [suffix] if suffix and i else ([suffix, ""] if suffix else [""])
+        suffix = f"_{d['name'].upper()}" if d.get("name") else (f"_{i}" if i else "")
+        names = [suffix, ""] if suffix and i == 0 else [suffix]  # the first dataset also without a suffix
         if d.get("state") == "ok":
             value = "ok"
         elif d.get("state") == "failed":
