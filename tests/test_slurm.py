@@ -244,3 +244,26 @@ def _wait(cond: Any, what: str, timeout: float = 30) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
+
+
+def test_pre_job_srun_stage_with_node_shards(site: Site) -> None:
+    """Without the prolog: ``srun --ntasks-per-node=1 stagingloader stage SRC --shard node``."""
+    src = site.sources / "data"
+    out = site.out
+    script = out / "pre.sh"
+    script.write_text(
+        "#!/bin/sh\nsrun --ntasks-per-node=1 sh -c '"
+        f"mkdir -p {out}/pre-$SLURMD_NODENAME && {sys.executable} -m stagingloader stage {src} --shard node "
+        f"--root {out}/pre-$SLURMD_NODENAME --json -q > {out}/pre-$SLURMD_NODENAME.json'\n")
+    script.chmod(0o755)
+    job = site.cluster.sbatch(str(script), "-N", "2", f"--output={out}/pre.log", user=site.user)
+    assert site.cluster.wait_job(job) == "COMPLETED", (site.job_log("pre"), site.cluster.logs())
+    everything = sorted(tree_digests(src))
+    seen: list[str] = []
+    for node, nodeid in (("n1", 0), ("n2", 1)):
+        r = json.loads((out / f"pre-{node}.json").read_text())
+        assert r["ok"] and r["lease"] == f"slurm-job-{job}", r
+        files = sorted(tree_digests(Path(r["root"])))
+        assert files == [everything[i] for i in files_for_node(everything, nodeid, 2)]
+        seen += files
+    assert sorted(seen) == everything
