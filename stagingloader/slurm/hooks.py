@@ -212,16 +212,13 @@ def _prolog(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, user:
         try:
             os.setsid()
             _detach_stdio(say)
+            # the supervisor records itself (not the parent: it could overwrite a final status)
+            write_status(cfg, job, user, {"state": "staging", "datasets": datasets, "supervisor": os.getpid()})
             _supervise(cfg, job, user, plans, say)
         except BaseException:
             code = 1
         finally:
             os._exit(code)
-    status = read_status(cfg, job) or {}
-    status["supervisor"] = pid
-    with contextlib.suppress(OSError):
-        if status.get("state") == "staging":
-            write_status(cfg, job, user, status)
     deadline = time.monotonic() + cfg.budget_seconds
     while time.monotonic() < deadline:
         done, _ = os.waitpid(pid, os.WNOHANG)
