@@ -33,23 +33,25 @@ JOB = """#!/bin/sh
 exec {python} - "$@" <<'PY'
 import json, os, sys, time
 from pathlib import Path
-out = {{k: v for k, v in os.environ.items() if k.startswith(("STAGINGLOADER_", "SLURM_JOB_ID", "SLURMD_NODENAME"))}}
-if out.get("STAGINGLOADER_DATASET"):
-    import xxhash
-    root = Path(out["STAGINGLOADER_DATASET"])
-    digests = {{}}
+import xxhash
+def digests(root):
+    found = {{}}
     for dirpath, _, names in os.walk(root):
         for n in names:
             p = os.path.join(dirpath, n)
-            digests[os.path.relpath(p, root)] = "xxh3_128:" + xxhash.xxh3_128_hexdigest(open(p, "rb").read())
-    out["digests"] = digests
-    st = root.stat()
-    out["owner"] = st.st_uid
+            found[os.path.relpath(p, root)] = "xxh3_128:" + xxhash.xxh3_128_hexdigest(open(p, "rb").read())
+    return found
+out = {{k: v for k, v in os.environ.items() if k.startswith(("STAGINGLOADER_", "SLURM_JOB_ID", "SLURMD_NODENAME"))}}
+if out.get("STAGINGLOADER_DATASET"):
+    root = Path(out["STAGINGLOADER_DATASET"])
+    out["digests"] = digests(root)
+    out["owner"] = root.stat().st_uid
 if {call_stage!r}:
     import stagingloader as sl
     try:
         ds = sl.stage({call_stage!r})
         out["stage_root"], out["stage_copied"] = str(ds.root), ds.report.copied_files
+        out["stage_digests"] = digests(ds.root)
     except sl.StagingError as e:
         out["stage_error"] = str(e)
 Path({result!r}).write_text(json.dumps(out))
@@ -188,6 +190,9 @@ def test_user_problems_never_drain_the_node(site: Site, case: str) -> None:
     want = {"bad-request": "bad request", "denied": "SourceAccessError", "too-small": "NoSpaceError"}[case]
     assert want in r["STAGINGLOADER_STATUS"], r
     assert want in site.hook_log("n2", job)
+    for kind in ("tmpfs", "nvme"):  # the epilog removed what a failed stage left
+        folder = site.private("n2", kind)
+        assert not folder.exists() or [p.name for p in folder.iterdir()] == [], list(folder.iterdir())
 
 
 def test_two_jobs_share_one_copy_and_the_first_epilog_keeps_it(site: Site) -> None:
@@ -267,3 +272,19 @@ def test_pre_job_srun_stage_with_node_shards(site: Site) -> None:
         assert files == [everything[i] for i in files_for_node(everything, nodeid, 2)]
         seen += files
     assert sorted(seen) == everything
+
+
+def test_stage_past_the_budget_goes_on_detached_and_the_job_waits_for_it(site: Site) -> None:
+    config = Path(site.cluster.hook_env["STAGINGLOADER_CONFIG"])
+    saved = config.read_text()
+    config.write_text(saved.replace("budget_seconds = 20", "budget_seconds = 0"))
+    try:
+        src = make_tree(site.sources / "slow", {f"{i}.bin": 4 << 20 for i in range(16)})
+        job, r = site.run_job("detached", f"stage={src}", "-w", "n1", call_stage=str(src))
+    finally:
+        config.write_text(saved)
+    assert r["STAGINGLOADER_STATUS"] in ("staging", "ok"), r
+    assert "stage_error" not in r, r
+    assert r["stage_digests"] == tree_digests(src)  # the job's stage() waited for the detached copy
+    assert "past the prolog's budget" in site.hook_log("n1", job)
+    assert site.cluster.node_states()["n1"] == "idle"

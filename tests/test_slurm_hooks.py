@@ -204,3 +204,27 @@ def test_a_broken_node_is_the_only_non_zero_exit(hooks: Hooks) -> None:
     proc = hooks.hook("prolog", f"stage={hooks.base}/src/data", 11)
     assert proc.returncode != 0
     assert "broken" in hooks.log(11)
+
+
+def test_a_checksum_mismatch_fails_the_stage_not_the_node(hooks: Hooks) -> None:
+    src = make_tree(hooks.base / "src" / "tampered", {f"{i}.bin": 900 for i in range(5)})
+    subprocess.run([sys.executable, "-m", "stagingloader", "manifest", str(src), "-q"], check=True)
+    (src / "3.bin").write_bytes(b"x" * 900)  # same size, other bytes: the source manifest disagrees
+    assert hooks.hook("prolog", f"stage={src}", 12).returncode == 0
+    env = hooks.exports(f"stage={src}", 12)
+    assert env["STAGINGLOADER_STATUS"].startswith("failed: "), env
+    assert "3.bin" in env["STAGINGLOADER_STATUS"]
+    assert "STAGINGLOADER_DATASET" not in env
+    assert hooks.hook("epilog", f"stage={src}", 12).returncode == 0
+
+
+def test_another_user_cannot_read_a_private_copy(hooks: Hooks) -> None:
+    other = ensure_user("sltest2")
+    src = hooks.base / "src" / "data"
+    assert hooks.hook("prolog", f"stage={src}", 13).returncode == 0
+    data = Path(hooks.exports(f"stage={src}", 13)["STAGINGLOADER_DATASET"])
+    some = next(p for p in data.rglob("*") if p.is_file())
+    for argv in (["cat", str(some)], ["ls", str(data)], ["rm", "-rf", str(data)]):
+        proc = subprocess.run(argv, capture_output=True, user=other.pw_uid, group=other.pw_gid, extra_groups=[])
+        assert proc.returncode != 0, argv
+    assert some.exists()
