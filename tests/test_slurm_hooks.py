@@ -197,6 +197,10 @@ def test_dotdot_and_foreign_spec_files_are_bad_requests(hooks: Hooks) -> None:
     os.chown(spec, hooks.user.pw_uid, hooks.user.pw_gid)
     assert hooks.hook("prolog", f"stage-spec={spec}", 10).returncode == 0
     assert hooks.exports(f"stage-spec={spec}", 10)["STAGINGLOADER_STATUS"] == "ok"
+    link = hooks.base / "link.toml"  # a link to a file, even the user's own, is not followed
+    link.symlink_to(spec)
+    assert hooks.hook("prolog", f"stage-spec={link}", 14).returncode == 0
+    assert hooks.exports(f"stage-spec={link}", 14)["STAGINGLOADER_STATUS"].startswith("failed: bad request")
 
 
 def test_a_broken_node_is_the_only_non_zero_exit(hooks: Hooks) -> None:

@@ -93,30 +93,25 @@ def read_status(cfg: site_config.SiteConfig, job: str) -> dict[str, Any] | None:
 
 
 # ---- requests ------------------------------------------------------------------------------------
-def read_requests(comment: str, user: JobUser) -> list[StageRequest]:
-    requests, spec = parse_comment(comment)
-    if spec is not None:
-        requests += parse_spec(_read_spec(spec, user), spec)
-    if not requests:
-        raise UsageError("the job comment asks for nothing to stage")
-    return check_names(requests)
+def read_spec(path: str, user: JobUser) -> list[StageRequest]:
+    """The spec file's requests, read *as the job's user* (root may not read an NFS home with
+    root_squash; and a file the user cannot read must not be read for them)."""
+    answer = run_worker({"op": "spec", "path": path, "max_bytes": SPEC_MAX_BYTES}, user, timeout=30)
+    if not answer.get("ok"):
+        raise UsageError(str(answer.get("message")))
+    return parse_spec(str(answer["text"]), path)
 
 
-def _read_spec(path: str, user: JobUser) -> str:
-    """The spec file, only if it is a regular file the job's user owns (never through a final link)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as e:
-        raise UsageError(f"cannot open the spec file {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != user.uid:
-            raise UsageError(f"the spec file {path} must be a regular file owned by {user.name}")
-        if st.st_size > SPEC_MAX_BYTES:
-            raise UsageError(f"the spec file {path} is larger than {SPEC_MAX_BYTES} bytes")
-        return os.read(fd, SPEC_MAX_BYTES).decode("utf-8", "replace")
-    finally:
-        os.close(fd)
+def node_check(cfg: site_config.SiteConfig, kinds: set[str]) -> None:
+    """Raise RootError if a staging root of these kinds is unusable: the node, not the job, is broken."""
+    for kind in sorted(kinds):
+        if kind != "auto" and kind not in cfg.roots:
+            continue  # the job asked for a tier this site lacks: its problem, reported later
+        for root in cfg.candidates(kind):
+            check_root(root.parent)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(root, 0o755)
+            check_root(root)
 
 
 # ---- folders -------------------------------------------------------------------------------------
@@ -186,37 +181,30 @@ def prolog(env: Mapping[str, str]) -> int:
 def _prolog(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, user: JobUser, comment: str,
             say: JobLog) -> int:
     say(f"job {job} of {user.name} (uid {user.uid}) asks: {comment!r}")
-    plans: list[dict[str, Any]] = []
     try:
-        requests = read_requests(comment, user)
-        for req in requests:
-            shared = cfg.is_shared(req.src)
-            shard = None
-            if req.shard == "node":
-                shard = list(node_index(env.get("SLURM_NODELIST", cfg.node), cfg.node or socket.gethostname()))
-            plans.append({"request": req, "shared": shared, "shard": shard,
-                          "roots": [str(p) for p in prepare_roots(cfg, req, user, shared)]})
+        requests, spec = parse_comment(comment)
+        node_check(cfg, {r.root for r in requests} | (set(cfg.roots) if spec else set()))
     except RootError as e:
         say(f"this node is broken: {e}")
         write_status(cfg, job, user, {"state": "failed", "reason": f"node problem: {e}", "datasets": []})
         return 1
-    except (UsageError, OSError) as e:
+    except UsageError as e:
         say(f"bad request: {e}")
         write_status(cfg, job, user, {"state": "failed", "reason": f"bad request: {e}", "datasets": []})
         return 0
-    datasets = [_entry(p, "staging") for p in plans]
-    write_status(cfg, job, user, {"state": "staging", "datasets": datasets, "supervisor": None})
+    write_status(cfg, job, user, {"state": "staging", "datasets": [], "supervisor": None})
     pid = os.fork()
     if pid == 0:  # the supervisor: its own session, survives the prolog
         code = 0
         try:
             os.setsid()
             _detach_stdio(say)
-            # the supervisor records itself (not the parent: it could overwrite a final status)
-            write_status(cfg, job, user, {"state": "staging", "datasets": datasets, "supervisor": os.getpid()})
-            _supervise(cfg, job, user, plans, say)
-        except BaseException:
+            _supervise(env, cfg, job, user, requests, spec, say)
+        except BaseException as e:
             code = 1
+            with contextlib.suppress(BaseException):
+                say(f"unexpected {type(e).__name__}: {e}")
+                write_status(cfg, job, user, {"state": "failed", "reason": f"internal error: {e}", "datasets": []})
         finally:
             os._exit(code)
     deadline = time.monotonic() + cfg.budget_seconds
@@ -230,6 +218,23 @@ def _prolog(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, user:
     say(f"staging goes on past the prolog's budget of {cfg.budget_seconds:.0f}s in pid {pid}; "
         "the job's stagingloader.stage() waits for it")
     return 0
+
+
+def _plan(env: Mapping[str, str], cfg: site_config.SiteConfig, user: JobUser, requests: list[StageRequest],
+          spec: str | None) -> list[dict[str, Any]]:
+    if spec is not None:
+        requests = requests + read_spec(spec, user)
+    if not requests:
+        raise UsageError("the job comment asks for nothing to stage")
+    plans = []
+    for req in check_names(requests):
+        shared = cfg.is_shared(req.src)
+        shard = None
+        if req.shard == "node":
+            shard = list(node_index(env.get("SLURM_NODELIST", cfg.node), cfg.node or socket.gethostname()))
+        plans.append({"request": req, "shared": shared, "shard": shard,
+                      "roots": [str(p) for p in prepare_roots(cfg, req, user, shared)]})
+    return plans
 
 
 def _entry(plan: dict[str, Any], state: str, **extra: Any) -> dict[str, Any]:
@@ -246,8 +251,17 @@ def _detach_stdio(say: JobLog) -> None:
     os.dup2(out, 2)
 
 
-def _supervise(cfg: site_config.SiteConfig, job: str, user: JobUser, plans: list[dict[str, Any]],
-               say: JobLog) -> None:
+def _supervise(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, user: JobUser,
+               requests: list[StageRequest], spec: str | None, say: JobLog) -> None:
+    try:
+        plans = _plan(env, cfg, user, requests, spec)
+    except (UsageError, OSError) as e:  # RootError included: checked by the prolog, so a race or a tier
+        say(f"bad request: {e}")
+        write_status(cfg, job, user, {"state": "failed", "reason": f"bad request: {e}", "datasets": []})
+        return
+    # the supervisor records itself (not the prolog: it could overwrite a final status)
+    write_status(cfg, job, user, {"state": "staging", "datasets": [_entry(p, "staging") for p in plans],
+                                  "supervisor": os.getpid()})
     lease = f"slurm-job-{job}"
     results = []
     for plan in plans:

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from .. import housekeeping, leases
 from ..capacity import tier_of
 from ..dataset import StagedDataset
-from ..errors import NoSpaceError, StagingError
+from ..errors import NoSpaceError, StagingError, UsageError
 from ..layout import DatasetDir
 from ..locking import DatasetLock
 from ..sources import Source
@@ -89,7 +90,25 @@ def _gc(op: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, **result}
 
 
-OPS = {"stage": _stage, "access": _access, "release": _release, "gc": _gc}
+def _spec(op: dict[str, Any]) -> dict[str, Any]:
+    """A spec file this user owns: a regular file, never opened through a final symlink."""
+    path, limit = op["path"], int(op["max_bytes"])
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise UsageError(f"cannot open the spec file {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise UsageError(f"the spec file {path} must be a regular file you own")
+        if st.st_size > limit:
+            raise UsageError(f"the spec file {path} is larger than {limit} bytes")
+        return {"ok": True, "text": os.read(fd, limit).decode("utf-8", "replace")}
+    finally:
+        os.close(fd)
+
+
+OPS = {"stage": _stage, "access": _access, "release": _release, "gc": _gc, "spec": _spec}
 
 
 def main() -> int:
