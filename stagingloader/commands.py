@@ -47,7 +47,8 @@ def _shard(shard: tuple[int, int] | str | None, env: dict[str, str]) -> tuple[in
     if shard == "node":
         from .sharding import node_shard
 
-        return node_shard(env)
+        node, nodes = node_shard(env)
+        return None if nodes == 1 else (node, nodes)  # one node holds everything: the unsharded copy
     return None if isinstance(shard, str) else shard
 
 

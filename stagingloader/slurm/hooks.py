@@ -231,7 +231,8 @@ def _plan(env: Mapping[str, str], cfg: site_config.SiteConfig, user: JobUser, re
         shared = cfg.is_shared(req.src)
         shard = None
         if req.shard == "node":
-            shard = list(node_index(env.get("SLURM_NODELIST", cfg.node), cfg.node or socket.gethostname()))
+            node, nodes = node_index(env.get("SLURM_NODELIST", cfg.node), cfg.node or socket.gethostname())
+            shard = [node, nodes] if nodes > 1 else None
         plans.append({"request": req, "shared": shared, "shard": shard,
                       "roots": [str(p) for p in prepare_roots(cfg, req, user, shared)]})
     return plans
