@@ -244,7 +244,7 @@ PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
         return states
 
     def sbatch(self, script: str, *args: str, user: pwd.struct_passwd) -> str:
-        out = self.run("sbatch", "--parsable", *args, input_script(script), user=user).stdout
+        out = self.run("sbatch", "--parsable", *args, script, user=user).stdout
         return out.strip().split(";")[0]
 
     def job_state(self, job: str) -> str:
@@ -267,10 +267,6 @@ PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
         """Until no node is still completing a job (the epilog ran)."""
         self._wait(lambda: all(s in ("idle", "mixed", "allocated") for s in self.node_states().values()),
                    timeout, "epilogs to finish")
-
-
-def input_script(path: str) -> str:
-    return path
 
 
 @contextlib.contextmanager
