@@ -66,6 +66,7 @@ def stage(
     lease: str | None = None,
     callback: Any = None,
     on_event: Callable[[str], None] | None = None,
+    distributed: bool = False,
 ) -> StagedDataset: ...
 
 
@@ -88,6 +89,7 @@ def stage(
     lease: str | None = None,
     callback: Any = None,
     on_event: Callable[[str], None] | None = None,
+    distributed: bool = False,
 ) -> StagePlan: ...
 
 
@@ -109,13 +111,16 @@ def stage(
     lease: str | None = None,
     callback: Any = None,
     on_event: Callable[[str], None] | None = None,
+    distributed: bool = False,
 ) -> StagedDataset | StagePlan:
     """Stage ``src`` (any fsspec URL) onto node-local storage; block until staged and verified.
 
     Keyword arguments mirror ``stagingloader stage``'s options.  Returns a
     :class:`StagedDataset` holding a lease for this process (dropped by ``.release()``, or when
     the process ends); with ``dry_run=True``, the :class:`StagePlan` instead.  ``callback`` is an
-    fsspec-style progress callback (``set_size``/``relative_update``, in bytes).
+    fsspec-style progress callback (``set_size``/``relative_update``, in bytes).  With
+    ``distributed=True`` (torchrun or srun), one process per node stages and the others wait;
+    all return the same dataset (see :mod:`stagingloader.distributed`).
     """
     from .stager import run_stage
 
@@ -125,7 +130,13 @@ def stage(
     opts = StageOptions(root=root, workers=workers, verify=verify, include=tuple(include), exclude=tuple(exclude),
                         fsync=fsync, max_ram_fraction=max_ram_fraction, lock_timeout=lock_timeout,
                         dry_run=dry_run, shard=shard, lease=lease, storage_options=options)
-    return run_stage(src, opts, env=dict(os.environ), callback=callback, on_event=on_event, pid_lease=lease is None)
+    env = dict(os.environ)
+    if distributed:
+        from .distributed import run_once_per_node
+
+        return run_once_per_node(lambda: run_stage(src, opts, env=env, callback=callback, on_event=on_event,
+                                                   pid_lease=lease is None), env)
+    return run_stage(src, opts, env=env, callback=callback, on_event=on_event, pid_lease=lease is None)
 
 
 def write_manifest(src: str, dest: str | None = None, *, storage_options: dict[str, Any] | None = None,

@@ -44,11 +44,13 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _shard(text: str) -> tuple[int, int]:
+def _shard(text: str) -> tuple[int, int] | str:
+    if text == "node":
+        return text
     try:
         i, n = (int(x) for x in text.split("/"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected I/N such as 0/4, not {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected I/N such as 0/4, or node, not {text!r}") from None
     if not (n >= 1 and 0 <= i < n):
         raise argparse.ArgumentTypeError(f"need 0 <= I < N, not {text}")
     return i, n
@@ -130,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lock-timeout", type=float, default=3600.0, metavar="SECONDS",
                    help="how long to wait for another stager of the same dataset (default: 3600)")
     s.add_argument("--dry-run", action="store_true", help="print the plan (what, how much, where, fits?) and stop")
-    s.add_argument("--shard", type=_shard, metavar="I/N", help="stage only shard I of N (every N-th file)")
+    s.add_argument("--shard", type=_shard, metavar="I/N|node",
+                   help="stage only shard I of N (every N-th file); 'node': this node's share of a multi-node "
+                        "job, from $SLURM_NODEID/$SLURM_NNODES (docs/slurm.md)")
     s.add_argument("--lease", metavar="NAME",
                    help="lease name held until `stagingloader release` (default: slurm-job-$SLURM_JOB_ID, "
                         "else user-$USER)")
@@ -198,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "time of every step (needs matplotlib).")
     st.add_argument("file", metavar="FILE")
     st.add_argument("--plot", metavar="PNG", help="write a timeline of the wait per step")
+
+    sl = sub.add_parser("slurm", help="the Slurm hooks: prolog, epilog, task-prolog (docs/slurm.md)",
+                        description="Run as Slurm's Prolog, Epilog or TaskProlog. They read the job's request "
+                                    "(--comment \"stage=SRC[;root=auto|tmpfs|nvme][;name=N]\") from the "
+                                    "environment Slurm gives them, and exit 0 for any problem of the job's own.")
+    sl.add_argument("hook", choices=("prolog", "epilog", "task-prolog"))
+    sl.set_defaults(json=False, quiet=True, verbose=False)
 
     d = sub.add_parser("demo", parents=[common],
                        help="build a sample dataset, stage it, verify it, print the summary",

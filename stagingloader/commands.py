@@ -31,7 +31,7 @@ def cmd_stage(args: argparse.Namespace) -> Result:
     env = dict(os.environ)
     opts = StageOptions(root=args.root, workers=args.workers, verify=args.verify, include=tuple(args.include),
                         exclude=tuple(args.exclude), fsync=args.fsync, max_ram_fraction=args.max_ram_fraction,
-                        lock_timeout=args.lock_timeout, dry_run=args.dry_run, shard=args.shard,
+                        lock_timeout=args.lock_timeout, dry_run=args.dry_run, shard=_shard(args.shard, env),
                         lease=args.lease or leases.default_lease_name(env), storage_options=args.storage_options)
     progress = make_progress(args.quiet or args.json)
     try:
@@ -41,6 +41,15 @@ def cmd_stage(args: argparse.Namespace) -> Result:
     if isinstance(result, StagePlan):
         return _print_plan(args, result)
     return ExitCode.OK, _print_staged(args, result)
+
+
+def _shard(shard: tuple[int, int] | str | None, env: dict[str, str]) -> tuple[int, int] | None:
+    if shard == "node":
+        from .sharding import node_shard
+
+        node, nodes = node_shard(env)
+        return None if nodes == 1 else (node, nodes)  # one node holds everything: the unsharded copy
+    return None if isinstance(shard, str) else shard
 
 
 def _print_plan(args: argparse.Namespace, sp: StagePlan) -> Result:
@@ -152,6 +161,16 @@ def cmd_manifest(args: argparse.Namespace) -> Result:
                f"({_rate(m.total_bytes, seconds)}); dataset digest {m.dataset_digest}")
     return ExitCode.OK, {"ok": True, "manifest": where, "files": len(m), "bytes": m.total_bytes,
                          "dataset_digest": m.dataset_digest, "seconds": seconds}
+
+
+def cmd_slurm(args: argparse.Namespace) -> Result:
+    from .slurm import hooks
+
+    run = {"prolog": hooks.prolog, "epilog": hooks.epilog, "task-prolog": hooks.task_prolog}[args.hook]
+    try:
+        return run(dict(os.environ)), None
+    except Exception:  # a hook must never fail a job or drain a node for an error of ours
+        return ExitCode.OK, None
 
 
 def cmd_demo(args: argparse.Namespace) -> Result:

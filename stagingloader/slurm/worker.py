@@ -1,0 +1,130 @@
+"""The child process the hooks start as the job's user (or as root, for shared datasets).
+
+Reads one JSON operation on stdin, writes one JSON answer on stdout.  Operations:
+``stage`` (pick a root among candidates, stage, take the job's lease), ``access`` (can this user
+read every file of the source?), ``release`` (drop the job's lease; with ``cleanup``, remove a
+dataset that never got a complete version), ``gc`` (evict under a byte budget).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+from .. import housekeeping, leases
+from ..capacity import tier_of
+from ..dataset import StagedDataset
+from ..errors import NoSpaceError, StagingError, UsageError
+from ..layout import DatasetDir
+from ..locking import DatasetLock
+from ..sources import Source
+from ..stager import StageOptions, run_stage
+
+
+def _stage(op: dict[str, Any]) -> dict[str, Any]:
+    os.umask(0o022 if op.get("shared") else 0o077)
+    shard = (int(op["shard"][0]), int(op["shard"][1])) if op.get("shard") else None
+    source = Source(op["src"])
+    listing = source.listing()
+    if shard:
+        listing = listing[shard[0]::shard[1]]
+    total = sum(f.size for f in listing)
+    roots = [Path(r) for r in op["roots"]]
+    fraction = float(op.get("max_ram_fraction", 0.5))
+    chosen = next((r for r in roots if tier_of(r, fraction).budget >= total), None)
+    if chosen is None:
+        chosen = roots[-1]
+    opts = StageOptions(root=str(chosen), lease=op["lease"], shard=shard,
+                        lock_timeout=op.get("lock_timeout"), max_ram_fraction=fraction)
+    try:
+        ds = run_stage(op["src"], opts, env={})
+    except NoSpaceError as e:
+        if len(roots) > 1:
+            raise NoSpaceError(f"{e} (tried {', '.join(map(str, roots))})") from None
+        raise
+    assert isinstance(ds, StagedDataset)
+    if op.get("shared"):
+        os.chmod(ds.dataset_dir, 0o755)
+    return {"ok": True, "root": str(ds.root), "dataset_dir": str(ds.dataset_dir), "version": ds.version,
+            "files": len(ds.files), "bytes": ds.total_bytes, "lease": ds.lease, "staging_root": str(chosen)}
+
+
+def _access(op: dict[str, Any]) -> dict[str, Any]:
+    source = Source(op["src"])
+    files = source.listing()
+    if source.is_local:
+        for f in files:
+            with open(source.local_path(f.rel), "rb"):
+                pass
+    return {"ok": True, "files": len(files)}
+
+
+def _release(op: dict[str, Any]) -> dict[str, Any]:
+    ddir = DatasetDir(Path(op["dataset_dir"]))
+    dropped = leases.release(ddir, op["lease"])
+    removed = False
+    if op.get("cleanup") and ddir.path.is_dir() and not ddir.path.is_symlink():
+        lock = DatasetLock(ddir.lock_file, timeout=0)
+        if lock.try_acquire():
+            try:
+                if ddir.current() is None and not leases.live(ddir):
+                    doomed = ddir.path.with_name(f".deleting-{ddir.key}-{os.getpid()}")
+                    os.rename(ddir.path, doomed)
+                    shutil.rmtree(doomed, ignore_errors=True)
+                    removed = True
+                elif ddir.incoming.exists():
+                    shutil.rmtree(ddir.incoming, ignore_errors=True)
+            finally:
+                lock.release()
+    return {"ok": True, "released": dropped, "removed": removed}
+
+
+def _gc(op: dict[str, Any]) -> dict[str, Any]:
+    result = housekeeping.gc(op["root"], int(op["keep_bytes"]), {})
+    return {"ok": True, **result}
+
+
+def _spec(op: dict[str, Any]) -> dict[str, Any]:
+    """A spec file this user owns: a regular file, never opened through a final symlink."""
+    path, limit = op["path"], int(op["max_bytes"])
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise UsageError(f"cannot open the spec file {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise UsageError(f"the spec file {path} must be a regular file you own")
+        if st.st_size > limit:
+            raise UsageError(f"the spec file {path} is larger than {limit} bytes")
+        return {"ok": True, "text": os.read(fd, limit).decode("utf-8", "replace")}
+    finally:
+        os.close(fd)
+
+
+OPS = {"stage": _stage, "access": _access, "release": _release, "gc": _gc, "spec": _spec}
+
+
+def main() -> int:
+    try:
+        op = json.loads(sys.stdin.read())
+        answer = OPS[op["op"]](op)
+    except StagingError as e:
+        answer = {"ok": False, "error": type(e).__name__, "message": str(e), "exit_code": int(e.exit_code)}
+    except PermissionError as e:
+        answer = {"ok": False, "error": "SourceAccessError", "message": f"permission denied: {e.filename or e}"}
+    except Exception as e:  # the hook must get an answer whatever happens
+        answer = {"ok": False, "error": type(e).__name__, "message": str(e)}
+    with contextlib.suppress(BrokenPipeError):
+        print(json.dumps(answer, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
