@@ -33,6 +33,27 @@ from .stats import GpuSampler, LoaderStats, WorkerClock
 log = logging.getLogger("stagingloader.loader")
 
 
+def _node_sampler(dataset: Any, shard: str, sampler: Any, batch_sampler: Any, shuffle: bool | None,
+                  generator: Any) -> tuple[Any, bool | None]:
+    """``shard="node"``: the dataset is this node's part (``stagingloader stage SRC --shard node``);
+    its samples are split between the node's ranks by a DistributedSampler."""
+    import os
+
+    from ..distributed import ranks
+    from ..errors import UsageError
+
+    if shard != "node":
+        raise UsageError(f'shard must be "node" or None, not {shard!r}')
+    if sampler is not None or batch_sampler is not None:
+        raise UsageError('shard="node" chooses the sampler itself; do not pass sampler= or batch_sampler= with it')
+    env = dict(os.environ)
+    r = ranks(env)
+    local_world = int(env.get("LOCAL_WORLD_SIZE") or env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or 1)
+    seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()) if generator is not None else 0
+    return tud.DistributedSampler(dataset, num_replicas=local_world, rank=r.local_rank % local_world,
+                                  shuffle=bool(shuffle), seed=seed), None
+
+
 def _generators(obj: Any, seen: set[int] | None = None) -> list[torch.Generator]:
     """Every torch.Generator a sampler (or batch sampler) draws from."""
     seen = seen if seen is not None else set()
@@ -164,8 +185,12 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                  drop_last: bool = False, timeout: float = 0, worker_init_fn: Any = None,
                  multiprocessing_context: Any = None, generator: Any = None, *, prefetch_factor: int | None = None,
                  persistent_workers: bool | None = None, pin_memory_device: str = "", in_order: bool = True,
-                 device: str | torch.device | None = None, readahead: int = 2, stats: bool = True) -> None:
+                 device: str | torch.device | None = None, readahead: int = 2, stats: bool = True,
+                 shard: str | None = None) -> None:
         from .datasets import StagedArrays, StagedFiles
+
+        if shard is not None:
+            sampler, shuffle = _node_sampler(dataset, shard, sampler, batch_sampler, shuffle, generator)
 
         ours = isinstance(dataset, (StagedFiles, StagedArrays))
         self._auto_persistent = persistent_workers is None
