@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +53,12 @@ def run_demo(args: argparse.Namespace) -> tuple[int, Any]:
     work = Path(args.workdir).absolute()
     source = work / "shared-storage"
     say = (lambda text: None) if args.json else print
-    say(f"1/4 building a sample dataset in {source} (stands in for NFS/Lustre/S3)")
+    say(f"1/5 building a sample dataset in {source} (stands in for NFS/Lustre/S3)")
     n, b = build_sample(source, args.files)
     say(f"    {n} files, {human_bytes(b)}")
     steps: dict[str, Any] = {}
-    for step, label in (("first", "2/4 staging it (copy + hash every byte)"),
-                        ("again", "3/4 staging it again (should reuse everything)")):
+    for step, label in (("first", "2/5 staging it (copy + hash every byte)"),
+                        ("again", "3/5 staging it again (should reuse everything)")):
         say(label)
         progress = make_progress(args.quiet or args.json)
         try:
@@ -71,12 +72,37 @@ def run_demo(args: argparse.Namespace) -> tuple[int, Any]:
             f"{r.seconds:.2f}s" + (f", {r.gbps:.2f} GB/s" if r.copied_bytes else "")
             + f"\n    into {ds.root} ({r.tier}: {r.root_reason})")
         steps[step] = r.to_dict()
-    say("4/4 verifying the staged copy against its manifest (re-hash every file)")
+    say("4/5 verifying the staged copy against its manifest (re-hash every file)")
     assert isinstance(ds, StagedDataset)
     report = verify(ds)
     say(f"    {'OK' if report.ok else 'FAILED'}: {report.checked_files} files, "
         f"{human_bytes(report.checked_bytes)} in {report.seconds:.2f}s")
+    loaded = _feed(ds, say)
     say(f"\nstaged dataset: {ds.root}\nnext: `stagingloader ls`, `stagingloader release {ds.dataset_dir} --lease demo`")
     code = ExitCode.OK if report.ok and steps["again"]["copied_files"] == 0 else ExitCode.VERIFY_FAILED
     return code, {"ok": code == ExitCode.OK, "source": str(source), "root": str(ds.root), "stages": steps,
-                  "verify": report.to_dict()}
+                  "verify": report.to_dict(), "loader": loaded}
+
+
+def _feed(ds: StagedDataset, say: Any) -> dict[str, Any] | None:
+    """One epoch of the labelled files through stagingloader.DataLoader, with its stats."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        say("5/5 skipped the DataLoader step: torch is not installed (pip install 'stagingloader[torch]')")
+        return None
+    from .loader import DataLoader, StagedFiles
+    from .loader.diagnosis import diagnose
+
+    say("5/5 one epoch of the labelled files through stagingloader.DataLoader (2 workers, batch 64, "
+        "a simulated 10 ms training step)")
+    files = StagedFiles(ds, decode="bytes", prefix="train/")
+    loader = DataLoader(files, batch_size=64, shuffle=True, num_workers=2)
+    for _data, _labels in loader:
+        time.sleep(0.01)
+    e = loader.stats.epochs[-1]
+    say(f"    {e.samples} samples in {e.batches} batches, {e.samples_per_s:,.0f} samples/s, "
+        f"{e.bytes_per_s / 1e6:,.0f} MB/s, first batch after {e.first_batch_s:.2f}s; classes {files.classes}")
+    say(f"    {diagnose(loader)}")
+    loader.close()
+    return e.to_dict()

@@ -221,6 +221,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         self.epoch = 0
         self._hints = ours and self._on_disk_tier(dataset)
         if ours:
+            self.stats.tier = "disk" if self._hints else "tmpfs"
+        if ours:
             dataset.fadvise = self._hints
         self._hinter = _Hinter()
         self._tracked: _TrackedSampler | None = None

@@ -104,15 +104,21 @@ class StagedFiles(Dataset[Any]):
     ``decode``: ``"array"`` (a numpy uint8 array of the file's bytes, the default), ``"bytes"``,
     or a function of the bytes.  ``labels=True`` returns ``(sample, class_index)`` where the
     classes are the sorted names of the top-level folders (``classes``, ``class_to_idx``).
-    ``include`` keeps only paths ending with one of the given suffixes.
+    ``include`` keeps only paths ending with one of the given suffixes; ``prefix`` (e.g. ``"train/"``)
+    keeps one part of the tree, whose folders are then the classes.
     """
 
     def __init__(self, staged: StagedDataset | str | os.PathLike[str], *,
                  decode: str | Callable[[bytes], Any] = "array", labels: bool = True, include: Sequence[str] = (),
-                 transform: Callable[[Any], Any] | None = None) -> None:
+                 transform: Callable[[Any], Any] | None = None, prefix: str = "") -> None:
         if not (decode in ("array", "bytes") or callable(decode)):
             raise ValueError(f"decode must be 'array', 'bytes' or a function of the bytes, not {decode!r}")
         root, rels, sizes = _resolve(staged)
+        if prefix:  # a part of the tree, e.g. "train/": its folders are the classes
+            prefix = prefix.rstrip("/") + "/"
+            keep = [i for i, r in enumerate(rels) if r.startswith(prefix)]
+            root = root / prefix.rstrip("/")
+            rels, sizes = [rels[i][len(prefix):] for i in keep], [sizes[i] for i in keep]
         if include:
             keep = [i for i, r in enumerate(rels) if r.endswith(tuple(include))]
             rels, sizes = [rels[i] for i in keep], [sizes[i] for i in keep]

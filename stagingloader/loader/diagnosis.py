@@ -8,8 +8,8 @@ if TYPE_CHECKING:
     from .stats import EpochStats
 
 
-def explain(e: EpochStats) -> str:
-    """One or two sentences: storage, CPU or transfer, with the fix."""
+def explain(e: EpochStats, tier: str = "") -> str:
+    """One or two sentences: storage, CPU or transfer, with the fix (``tier``: where the data is read from)."""
     read, cpu = e.read_s, e.decode_s + e.collate_s
     other = max(e.fetch_s - read - e.decode_s, 0.0)  # dataset time we cannot split (user datasets)
     busy = read + cpu + other
@@ -19,8 +19,11 @@ def explain(e: EpochStats) -> str:
                 "larger batches, or persistent_workers=True.")
     if read >= 0.5 * busy:
         rate = e.read_bytes / read / 1e9 if read > 0 else 0.0
-        return (f"I/O-bound: reading took {read:.1f}s of the workers' {busy:.1f}s (storage delivered {rate:.2f} GB/s). "
-                "Stage the data to node-local storage (`stagingloader stage SRC --root /dev/shm`) or add workers.")
+        head = f"I/O-bound: reading took {read:.1f}s of the workers' {busy:.1f}s (storage delivered {rate:.2f} GB/s)."
+        if tier == "tmpfs":
+            return head + " The data is already in RAM (tmpfs): add workers (num_workers) to read in parallel."
+        return head + (" Stage the data to node-local storage (`stagingloader stage SRC --root /dev/shm`, or local "
+                       "NVMe) or add workers.")
     if cpu + other >= 0.5 * busy:
         return (f"CPU-bound: decoding, transforms and collation took {cpu + other:.1f}s of the workers' {busy:.1f}s. "
                 "Add workers (num_workers), lighten the transforms, or decode on the GPU (backend='dali').")
@@ -41,4 +44,4 @@ def diagnose(loader: Any) -> str:
             head += " (under 80% while the loop waits on data: the data path holds the GPU back)"
     if e.stall_fraction <= STALL_WARNING:
         return head + ": the loader keeps up; data is not the bottleneck."
-    return f"{head}. {explain(e)}"
+    return f"{head}. {explain(e, getattr(stats, 'tier', ''))}"

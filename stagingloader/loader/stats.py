@@ -143,6 +143,7 @@ class LoaderStats:
 
     def __init__(self, path_note: str = "", gpu: GpuSampler | None = None) -> None:
         self.gpu = gpu
+        self.tier = ""  #: where the dataset is read from ("tmpfs", "disk"), set by the loader
         self.epochs: list[EpochStats] = []
         self.current: EpochStats | None = None
         self.path_note = path_note  #: how batches reach the consumer, and why
@@ -214,7 +215,7 @@ class LoaderStats:
         """The likely cause of a stall and its fix, from where the workers spent their time."""
         from .diagnosis import explain
 
-        return explain(e)
+        return explain(e, self.tier)
 
     def _log(self, e: EpochStats) -> None:
         log.info(
