@@ -200,8 +200,11 @@ def methods_for(target_kind: str, writer: Path | None, spec_list: Path | None) -
     naive = ("cp -r {src} {out} && (cd {src} && find . -type f -print0 | sort -z | xargs -0 xxh128sum) > {run}/src.sum"
              " && (cd {out} && find . -type f -print0 | sort -z | xargs -0 xxh128sum) > {run}/dst.sum"
              " && cmp {run}/src.sum {run}/dst.sum")
+    # --max-ram-fraction only widens the tmpfs capacity check (other jobs' files in /dev/shm must not
+    # make the stager refuse); it changes nothing in how it copies.
+    ram = ["--max-ram-fraction", "0.95"] if target_kind == "shm" else []
     ms = [
-        Method(SL, lambda s, r: ([*sl, "stage", str(s), "--root", str(r), "--json", "-q"], False), lambda r: r),
+        Method(SL, lambda s, r: ([*sl, "stage", str(s), "--root", str(r), "--json", "-q", *ram], False), lambda r: r),
         Method(CP, lambda s, r: (["cp", "-r", str(s), str(r / "out")], False), lambda r: r / "out"),
         Method(TAR, lambda s, r: (f"mkdir {q(r / 'out')} && tar -C {q(s)} -cf - . | tar -C {q(r / 'out')} -xf -",
                                   True), lambda r: r / "out"),
@@ -347,7 +350,8 @@ class Runner:
             order = [SL, RSYNC] if p % 2 == 0 else [RSYNC, SL]
             for name in order:
                 if name == SL:
-                    run = B.run_timed([*sl, "stage", str(src), "--root", str(kept[SL]), "--json", "-q"])
+                    ram = ["--max-ram-fraction", "0.95"] if kind == "shm" else []
+                    run = B.run_timed([*sl, "stage", str(src), "--root", str(kept[SL]), "--json", "-q", *ram])
                     doc = json.loads(run.stdout)
                     if doc.get("copied_files") or doc.get("new_version"):
                         raise RuntimeError(f"re-stage copied something: {doc}")
