@@ -158,3 +158,13 @@ def test_unsafe_object_keys_are_refused(root: Path) -> None:
     assert "a/../../../escape.bin" in str(exc.value)
     assert not list(root.rglob("*.bin")) and not (root.parent / "escape.bin").exists()
     fs.rm("/evil", recursive=True)
+
+
+def test_probe_an_object_store(s3: S3Server, tmp_path: Path) -> None:
+    out = cli_json("probe", f"s3://{BUCKET}/ds/small/7", "--seconds", "4", *_creds(s3),
+                   env={"STAGINGLOADER_ROOT": str(tmp_path)})
+    assert out["kind"] == "source" and out["fs_type"] == "s3"
+    levels = out["get_concurrency"]
+    assert sorted(levels, key=int) == ["1", "4", "16", "64"]
+    for row in levels.values():
+        assert row["objects/s"] > 0 and row["MB/s"] > 0 and row["p50_ms"] <= row["p99_ms"]
