@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # torch is pinned: 2.13.0 is a CPU wheel on this project's machines; an open range pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench bench-peers clean
 
 setup: $(VENV)/.installed
 
@@ -24,10 +24,17 @@ lint: setup
 	$(BIN)/mypy
 
 test: lint
+	bash tests/support/install_slurm.sh  # Debian's Slurm and munge, for the tests that start real daemons
 	$(BIN)/python -m pytest -q
 
 bench: setup
 	$(BIN)/python benchmarks/bench_stage.py
+	$(BIN)/python benchmarks/bench_loader.py
+
+bench-peers:  # the loader against mosaicml-streaming and litdata, in a venv of their own
+	$(PY) -m venv .venv-peers
+	.venv-peers/bin/pip install -q -r benchmarks/peers-requirements.txt
+	.venv-peers/bin/python benchmarks/bench_peers.py
 
 clean:
 	rm -rf $(VENV) stagingloader-demo
