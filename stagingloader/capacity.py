@@ -92,7 +92,8 @@ def resolve_root(root: str, needed: int, key: str, *, max_ram_fraction: float,
     """
     if root != "auto":
         path = Path(root).expanduser().absolute()
-        check_root(path)
+        if not (path / key / "current").exists():  # a copy already there may be used even where we cannot write
+            check_root(path)
         return tier_of(path, max_ram_fraction), "given with --root"
     if env.get("STAGINGLOADER_ROOT"):
         path = Path(env["STAGINGLOADER_ROOT"]).expanduser().absolute()

@@ -112,6 +112,8 @@ def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = N
     tier, why = resolve_root(opts.root, total, key, max_ram_fraction=opts.max_ram_fraction, env=env, user=_user())
     say(f"staging {src} ({len(listing)} files, {human_bytes(total)}) into {tier.describe()}: {why}")
     ddir = DatasetDir(tier.path / key)
+    if ddir.path.is_dir() and not os.access(ddir.path, os.W_OK) and not opts.dry_run:
+        return _use_read_only(source, listing, ddir, tier, why, t0, say)
     try:
         ddir.path.mkdir(mode=0o700, exist_ok=True)
     except PermissionError:
@@ -119,6 +121,29 @@ def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = N
     with DatasetLock(ddir.lock_file, timeout=opts.lock_timeout, on_wait=say):
         return _stage_locked(source, listing, opts, tier, why, ddir, identity, t0, callback, on_file, say,
                              pid_lease, env)
+
+
+def _use_read_only(source: Source, listing: list[SourceFile], ddir: DatasetDir, tier: Tier, why: str, t0: float,
+                   say: Callable[[str], None]) -> StagedDataset:
+    """A dataset someone else staged for us (a site-wide shared copy): use it as it is, if it is current.
+
+    Its owner (the Slurm prolog, for a shared dataset) holds the lease that protects it.
+    """
+    version = ddir.current()
+    if version is None:
+        raise RootError(f"{ddir.path} belongs to another user and holds no complete copy yet; wait for its stager "
+                        f"(the Slurm prolog) or read {source.url} directly")
+    manifest = ddir.load_manifest(version)
+    plan = make_plan(listing, manifest, base_bad=check_fast(ddir.version_dir(version) / "data", manifest))
+    if not plan.up_to_date:
+        raise RootError(f"the shared copy {ddir.path} ({version}) differs from {source.url} in "
+                        f"{len(plan.copy) + plan.removed} files and only its owner can update it; read the source "
+                        "directly, or ask for it to be staged again")
+    say(f"using the shared copy {ddir.path} ({version}) read-only: its stager holds the lease")
+    report = StageReport(source=source.url, staging_root=str(tier.path), tier=tier.kind, root_reason=why,
+                         dataset_dir=str(ddir.path), version=version, files=len(manifest), bytes=manifest.total_bytes,
+                         reused_files=len(manifest), seconds=time.perf_counter() - t0)
+    return StagedDataset(source.url, ddir.version_dir(version) / "data", version, ddir.path, manifest, report, None)
 
 
 def _selection_suffix(opts: StageOptions) -> str:

@@ -189,3 +189,32 @@ def test_symlinks_inside_the_source_are_followed(tmp_path: Path, root: Path) -> 
     assert sorted(ds.files) == ["alias.bin", "linkdir/a.bin", "real/a.bin"]
     assert (ds.root / "alias.bin").read_bytes() == content("real/a.bin", 100)
     assert not (ds.root / "alias.bin").is_symlink()
+
+
+def test_a_copy_staged_by_someone_else_is_used_read_only() -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    site = Path("/tmp") / f"sl-shared-{os.getpid()}"
+    src = make_tree(site / "src", {"a.bin": 100, "b/c.bin": 200})
+    (site / "root").mkdir()
+    try:
+        ds = sl.stage(str(src), root=str(site / "root"), lease="site")  # as root, like the Slurm prolog
+        for dirpath, dirs, files in os.walk(site):
+            for name in [*dirs, *files]:
+                os.chmod(os.path.join(dirpath, name), 0o755 if name in dirs else 0o644)
+        os.chmod(site, 0o755)
+        code = ("import stagingloader as sl, sys; d = sl.stage(sys.argv[1], root=sys.argv[2]); "
+                "print(d.root, d.report.copied_files, d.lease)")
+        user = {"preexec_fn": lambda: (os.setgid(65534), os.setuid(65534))}
+        out = subprocess.run([sys.executable, "-c", code, str(src), str(site / "root")], capture_output=True,
+                             text=True, timeout=60, **user)  # type: ignore[call-overload]
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == [str(ds.root), "0", "None"]
+        (src / "a.bin").write_bytes(b"changed")  # now the shared copy is stale: said, not hidden
+        out = subprocess.run([sys.executable, "-m", "stagingloader", "stage", str(src), "--root", str(site / "root")],
+                             capture_output=True, text=True, timeout=60, **user)  # type: ignore[call-overload]
+        assert out.returncode == 6 and "differs from" in out.stderr and "Traceback" not in out.stderr
+    finally:
+        shutil.rmtree(site)
