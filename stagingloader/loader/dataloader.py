@@ -156,12 +156,16 @@ class _Hinter:
         while not self._stop.is_set():
             self._wake.wait(0.5)
             self._wake.clear()
-            while self._queue:
-                fn, arg = self._queue.popleft()
-                try:
-                    fn(arg)
-                except Exception:  # a hint is only a hint
-                    log.debug("read-ahead hint failed", exc_info=True)
+            self._drain()
+        self._drain()
+
+    def _drain(self) -> None:
+        while self._queue:
+            fn, arg = self._queue.popleft()
+            try:
+                fn(arg)
+            except Exception:  # a hint is only a hint
+                log.debug("read-ahead hint failed", exc_info=True)
 
     def close(self) -> None:
         self._stop.set()
