@@ -155,6 +155,36 @@ def bench_stall(ds: Any, batch: int, workers: int, seconds: float) -> dict[str, 
     return row
 
 
+def bench_rss(n: int) -> dict[str, Any]:
+    """Worker memory over an epoch of ``n`` one-file samples (hard links of one 16-byte file in /dev/shm):
+    StagedFiles (numpy tables) against a list of path strings, each probed in a fresh process."""
+    import subprocess
+
+    folder = Path("/dev/shm/stagingloader-bench/rss")
+    marker = folder / f".complete-{n}"
+    if not marker.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        (folder / "c").mkdir(parents=True)
+        first = folder / "c" / "0.bin"
+        first.write_bytes(b"0123456789abcdef")
+        for i in range(1, n):
+            os.link(first, folder / "c" / f"{i}.bin")
+        marker.touch()
+    from tests.test_loader import _RSS_PROBE
+
+    repo = str(Path(__file__).resolve().parents[1])
+    row: dict[str, Any] = {"samples": n}
+    for kind in ("staged", "list"):
+        code = _RSS_PROBE.format(repo=repo, folder=str(folder), kind=kind).replace(
+            "sl.StagedFiles(", "sl.StagedFiles(include=('.bin',), staged=")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        row[f"{kind}_growth_kib"] = int(out.stdout.split()[-1])
+    print(f"worker private memory growth over an epoch of {n:,} samples: StagedFiles "
+          f"{row['staged_growth_kib'] / 1024:.1f} MiB, list of path strings {row['list_growth_kib'] / 1024:.1f} MiB",
+          flush=True)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -163,7 +193,13 @@ def main() -> None:
     p.add_argument("--tiers", default="shm,disk")
     p.add_argument("--seconds", type=float, default=6.0, help="time limit per run")
     p.add_argument("--stall", action="store_true", help="only the simulated-training-step stall benchmark")
+    p.add_argument("--rss", type=int, metavar="N", help="only worker memory over an epoch of N samples")
     args = p.parse_args()
+    if args.rss:
+        row = bench_rss(args.rss)
+        if args.out:
+            Path(args.out).write_text(json.dumps(row, indent=1))
+        return
     torch.set_num_threads(1)
     n = 4000 if args.quick else 20000
     rows_n = 4000 if args.quick else 20480  # 2 GiB of 100 KiB rows
