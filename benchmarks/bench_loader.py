@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import stagingloader as sl  # noqa: E402
+import stagingloader as sl
 
 SAMPLE = 100 << 10
 
@@ -116,7 +116,8 @@ def bench_pair(name: str, torch_ds: Any, ours_ds: Any, batch: int, workers: int,
         kw["persistent_workers"] = False
     best: dict[str, dict[str, float]] = {}
     for _ in range(2):
-        for label, cls, ds in (("torch", torch.utils.data.DataLoader, torch_ds), ("stagingloader", sl.DataLoader, ours_ds)):
+        pairs = (("torch", torch.utils.data.DataLoader, torch_ds), ("stagingloader", sl.DataLoader, ours_ds))
+        for label, cls, ds in pairs:
             torch.manual_seed(0)
             loader = cls(ds, **kw)
             r = run(loader, limit_s)
@@ -222,8 +223,9 @@ def main() -> None:
         rows = make_rows(base / "rows.npy", rows_n)
         for b in batches:
             for w in workers:
-                results.append(bench_pair(f"files/{tier}", TorchFiles(files), sl.StagedFiles(files, include=(".bin",)), b, w, args.seconds)
-                               | {"tier": tier})
+                ours = sl.StagedFiles(files, include=(".bin",))
+                row = bench_pair(f"files/{tier}", TorchFiles(files), ours, b, w, args.seconds)
+                results.append(row | {"tier": tier})
                 results.append(bench_pair(f"npy/{tier}", TorchRows(rows), sl.StagedArrays([rows]), b, w, args.seconds)
                                | {"tier": tier})
     if args.out:
