@@ -7,7 +7,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -397,7 +397,7 @@ def test_node_shards_cover_every_sample_once(tmp_path: Path, monkeypatch: pytest
 
 
 class _CountingHints(sl.StagedFiles):
-    hinted: list[int] = []
+    hinted: ClassVar[list[int]] = []
 
     def hint(self, indices: Any) -> None:
         super().hint(indices)
