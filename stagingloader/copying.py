@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import queue
-import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,6 +36,10 @@ from .sources import Source, SourceFile
 from .storage import human_bytes
 
 log = logging.getLogger(__name__)
+
+
+SMALL_BATCH_FILES = 64  #: small files per task
+SMALL_BATCH_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,9 +66,12 @@ class Progress:
             if self.callback is not None and n:
                 self.callback.relative_update(n)
 
-    def add_file(self) -> None:
+    def add_files(self, files: int, nbytes: int) -> None:
         with self.lock:
-            self.files += 1
+            self.files += files
+            self.bytes += nbytes
+            if self.callback is not None and nbytes:
+                self.callback.relative_update(nbytes)
             if self.on_file is not None:
                 self.on_file(self.files)
 
@@ -130,6 +137,9 @@ class Copier:
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
         self._large: list[_LargeFile] = []
+        self._names = itertools.count()  # temp names: unique within this run, and .partial is swept at resume
+        self._partial = f"{incoming.partial}/{os.getpid()}-"
+        self._data = str(incoming.data)
 
     # ---- driver ----------------------------------------------------------------------------
     def run(self, files: Sequence[SourceFile]) -> None:
@@ -156,26 +166,35 @@ class Copier:
             raise self._error
 
     def _tasks(self, files: Sequence[SourceFile]) -> Iterator[tuple[Any, ...]]:
+        """Small files in batches (one task, one buffer, one progress update for many files); large ones by range."""
         s = self.settings
+        batch: list[SourceFile] = []
+        batch_bytes = 0
         for f in files:
             if self.stop.is_set():
                 return
             if f.size <= s.large_threshold:
-                yield ("file", f)
+                batch.append(f)
+                batch_bytes += f.size
+                if len(batch) >= SMALL_BATCH_FILES or batch_bytes >= SMALL_BATCH_BYTES:
+                    yield ("files", batch)
+                    batch, batch_bytes = [], 0
                 continue
             lf = self._open_large(f)
             if lf is None:
                 continue
             for offset in range(0, f.size, s.range_size):
                 yield ("range", lf, offset, min(s.range_size, f.size - offset))
+        if batch:
+            yield ("files", batch)
 
     def _run_task(self, task: tuple[Any, ...], slots: _Slots, buf: bytearray | None) -> None:
         keep_slot = False
         try:
             if self.stop.is_set():
                 return
-            if task[0] == "file":
-                buf = self._copy_small(task[1], slots, buf)
+            if task[0] == "files":
+                buf = self._copy_batch(task[1], slots, buf)
             else:
                 lf, offset, length = task[1:]
                 view, buf = self._fetch_range(lf, offset, length, slots, buf)
@@ -200,9 +219,26 @@ class Copier:
             self.bytes_resumed += resumed
 
     # ---- small files -----------------------------------------------------------------------
-    def _copy_small(self, f: SourceFile, slots: _Slots, buf: bytearray | None) -> bytearray | None:
-        final = safe_join(self.incoming.data, f.rel)
-        tmp = self.incoming.partial / f"{partial_id(f.rel)}.{secrets.token_hex(4)}.tmp"
+    def _copy_batch(self, files: list[SourceFile], slots: _Slots, buf: bytearray | None) -> bytearray | None:
+        """Copy small files one after the other through one buffer; journal and count them together."""
+        entries: list[Entry] = []
+        nbytes = 0
+        try:
+            for f in files:
+                if self.stop.is_set():
+                    break
+                entry, buf = self._copy_small(f, slots, buf)
+                entries.append(entry)
+                nbytes += entry.size
+        finally:
+            if entries:
+                self.incoming.record_many(entries)
+                self.progress.add_files(len(entries), nbytes)
+                self._count(copied=nbytes)
+        return buf
+
+    def _copy_small(self, f: SourceFile, slots: _Slots, buf: bytearray | None) -> tuple[Entry, bytearray | None]:
+        tmp = f"{self._partial}{next(self._names)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
             hasher = dg.new_hasher()
@@ -214,7 +250,6 @@ class Copier:
                 data = self.source.read_range(f.rel, 0, f.size) if f.size else b""
                 hasher.update(data)
                 _write_all(fd, memoryview(data))
-                self.progress.add_bytes(len(data))
                 mtime_ns, size, etag = f.mtime_ns, f.size, f.etag
             if mtime_ns:
                 os.utime(fd, ns=(mtime_ns, mtime_ns))
@@ -226,9 +261,9 @@ class Copier:
                 os.unlink(tmp)
             raise
         os.close(fd)
-        self._publish(f.rel, tmp, final, Entry(f.rel, size, mtime_ns, etag, dg.format_digest(hasher)))
-        self._count(copied=size)
-        return buf
+        entry = Entry(f.rel, size, mtime_ns, etag, dg.format_digest(hasher))
+        self._publish(f.rel, tmp, f"{self._data}/{f.rel}", entry)
+        return entry, buf
 
     def _read_local(self, f: SourceFile, view: memoryview, hasher: xxhash.xxh3_128, out_fd: int) -> tuple[int, int]:
         """Copy a local file into ``out_fd`` through ``view``; return the (mtime_ns, size) copied."""
@@ -239,13 +274,11 @@ class Copier:
             except OSError as e:
                 raise as_source_error(e, path) from e
             try:
-                before = os.fstat(src)
                 size = 0
                 while n := os.readv(src, [view]):
                     hasher.update(view[:n])
                     _write_all(out_fd, view[:n])
                     size += n
-                    self.progress.add_bytes(n)
                 after = os.fstat(src)
             except OSError as e:
                 if e.errno == errno.ENOSPC:
@@ -253,17 +286,15 @@ class Copier:
                 raise as_source_error(e, path) from e
             finally:
                 os.close(src)
-            if size == after.st_size and after.st_mtime_ns == before.st_mtime_ns == f.mtime_ns:
-                return after.st_mtime_ns, size
-            if size == after.st_size and after.st_mtime_ns == before.st_mtime_ns:
-                # changed between listing and copy: copied whole at its new fingerprint
+            if size == after.st_size and (after.st_mtime_ns == f.mtime_ns or size != f.size or _attempt):
+                # the bytes read are the file as it stands (when it changed since the listing: at its new mtime)
                 return after.st_mtime_ns, size
             hasher.reset()
             os.lseek(out_fd, 0, os.SEEK_SET)
             os.ftruncate(out_fd, 0)
         raise SourceChangedError(f"{path} kept changing while it was copied; stage again once it is stable")
 
-    def _publish(self, rel: str, tmp: Path, final: Path, entry: Entry) -> None:
+    def _publish(self, rel: str, tmp: str | Path, final: str | Path, entry: Entry) -> None:
         want = self.expected.get(rel)
         if want is not None and want != entry.digest:
             with contextlib.suppress(OSError):
@@ -275,8 +306,6 @@ class Copier:
             )
         self.incoming.ensure_parent(final)
         os.rename(tmp, final)
-        self.incoming.record(entry)
-        self.progress.add_file()
 
     # ---- large files -----------------------------------------------------------------------
     def _open_large(self, f: SourceFile) -> _LargeFile | None:
@@ -372,6 +401,8 @@ class Copier:
         self._close_one(lf)
         entry = Entry(f.rel, f.size, mtime_ns, f.etag, dg.format_digest(lf.hasher))
         self._publish(f.rel, lf.tmp, safe_join(self.incoming.data, f.rel), entry)
+        self.incoming.record_many([entry])
+        self.progress.add_files(1, 0)
         with contextlib.suppress(FileNotFoundError):
             lf.ranges_path.unlink()
 

@@ -63,11 +63,13 @@ class Incoming:
 
     # ---- journal ---------------------------------------------------------------------------
     def record(self, entry: Entry) -> None:
-        line = json.dumps([entry.path, entry.size, entry.mtime_ns, entry.etag, entry.digest],
-                          ensure_ascii=False)
+        self.record_many([entry])
+
+    def record_many(self, entries: list[Entry]) -> None:
+        lines = [json.dumps([e.path, e.size, e.mtime_ns, e.etag, e.digest], ensure_ascii=False) for e in entries]
         with self._lock:
-            self.entries.append(entry)
-            self._buffer.append(line)
+            self.entries.extend(entries)
+            self._buffer.extend(lines)
             due = len(self._buffer) >= self.FLUSH_EVERY or time.monotonic() - self._last_flush > self.FLUSH_SECONDS
         if due:
             self.flush()
@@ -150,13 +152,13 @@ class Incoming:
         os.replace(tmp, self.journal_path)
 
     # ---- files -----------------------------------------------------------------------------
-    def ensure_parent(self, final: Path) -> None:
+    def ensure_parent(self, final: str | Path) -> None:
         """Create the parent folders of ``final``; refuse if one is a symlink (planted in the cache)."""
-        parent = str(final.parent)
+        parent = os.path.dirname(final)
         if parent in self._dirs:
             return
         os.makedirs(parent, exist_ok=True)
-        p = final.parent
+        p = Path(parent)
         data = self.data
         while p != data and str(p) not in self._dirs:
             if p.is_symlink():

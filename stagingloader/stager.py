@@ -24,7 +24,7 @@ from typing import Any
 
 from . import leases
 from .capacity import Tier, resolve_root
-from .copying import Copier, CopySettings, Progress
+from .copying import Copier, CopySettings, Progress, _translate
 from .dataset import StagedDataset, StageReport
 from .errors import ManifestError, NoSpaceError, RootError, UsageError
 from .incoming import Incoming
@@ -276,14 +276,20 @@ def _build_version(source: Source, plan: Plan, listing: Sequence[SourceFile], op
         with contextlib.suppress(OSError):  # e.g. a full disk: the copier's error is the one to report
             incoming.close()
         raise
-    incoming.close()
+    try:
+        incoming.close()
+    except OSError as e:  # the journal's last lines did not fit: a full disk, said as such
+        raise _translate(e) from e
     entries = {e.path: e for e in plan.keep}
     entries.update((e.path, e) for e in incoming.entries)
     missing = [f.rel for f in listing if f.rel not in entries]
     if missing:
         raise AssertionError(f"internal error: {len(missing)} files were not staged, e.g. {missing[0]}")
     manifest = Manifest.from_entries(source.url, list(entries.values()))
-    manifest.save(ddir.incoming / "manifest.json", fsync=incoming.fsync)
+    try:
+        manifest.save(ddir.incoming / "manifest.json", fsync=incoming.fsync)
+    except OSError as e:
+        raise _translate(e) from e
     shutil.rmtree(incoming.partial, ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         incoming.journal_path.unlink()
@@ -296,6 +302,7 @@ def _link_unchanged(base_data: Path, incoming: Incoming, link: Sequence[Entry],
                     listing: Sequence[SourceFile]) -> list[SourceFile]:
     """Hard-link unchanged files from the published version; return those that must be copied."""
     fallback: list[str] = []
+    linked: list[Entry] = []
     for e in link:
         dest = safe_join(incoming.data, e.path)
         incoming.ensure_parent(dest)
@@ -309,7 +316,8 @@ def _link_unchanged(base_data: Path, incoming: Incoming, link: Sequence[Entry],
                 raise
             fallback.append(e.path)
             continue
-        incoming.record(e)
+        linked.append(e)
+    incoming.record_many(linked)
     if not fallback:
         return []
     wanted = set(fallback)
