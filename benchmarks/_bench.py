@@ -224,6 +224,20 @@ def wait_for_idle(timeout: float = 300.0, say: Callable[[str], None] = print, ma
             "busy_share_last_window": round(busy, 3)}
 
 
+def package_version() -> dict[str, Any]:
+    """The commit of the checkout measured, and whether stagingloader/ differs from it (read-only git)."""
+    def git(*args: str) -> str:
+        try:
+            r = subprocess.run(["git", "--no-optional-locks", "-C", str(REPO), *args], capture_output=True,
+                               text=True, check=False, timeout=30)
+            return r.stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    return {"commit": git("rev-parse", "--short", "HEAD"), "subject": git("log", "-1", "--format=%s"),
+            "stagingloader_dirty": bool(git("status", "--porcelain", "--", "stagingloader"))}
+
+
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
     try:

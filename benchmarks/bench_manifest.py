@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
            "load_median_s": statistics.median(loads), "index_best_s": min(r["index_s"] for r in runs),
            "cpu_accounting": acct.report(), "goal": "Manifest.load of 1,000,000 entries < 2 s",
            "met": statistics.median(loads) < 2.0}
+    res["package"] = B.package_version()
     B.dump_json(a.out, res)
     rows = [[f"{a.entries:,}", B.human(made["bytes"]), f"{made['save_s']:.2f}", f"{min(loads):.2f}",
              f"{statistics.median(loads):.2f}", f"{res['index_best_s']:.2f}",

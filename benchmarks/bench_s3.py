@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               capture_output=True, text=True).stdout.strip(),
                                "target_dir": f"{base} [{B.fs_type(base)}]", "idle_check": idle,
                                "upload_s": up, "sets": {}}
+        res["package"] = B.package_version()
         for name, (n, size) in sets.items():
             url = f"s3://{BUCKET}/{name}"
             sl_args = [*sl, "stage", url, "--json", "-q", "--endpoint-url", srv.endpoint_url, *creds]
@@ -300,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     vt = B.markdown_table(["set", "goal", "measured", "verdict"],
                           [[v["set"], v["goal"], v["value"], "met" if v["met"] else "MISSED"] for v in verdicts])
     Path(a.out).with_suffix(".md").write_text(f"command: {res['command']}\n{res['server']}\n"
+                                              f"package: {res['package']}\n"
                                               f"cpu accounting: {res['cpu_accounting']}\n\n{table}\n\n{vt}\n")
     print(table)
     print(vt)

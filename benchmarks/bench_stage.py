@@ -526,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         "target_dirs": {k: f"{targets[k]} [{B.fs_type(targets[k].parent)}]" for k in kinds}, "targets": {},
         "source_read_s": {},
     }
+    results["package"] = B.package_version()
     say(f"machine: {results['machine']}; load {os.getloadavg()}")
     for kind in kinds:
         base = targets[kind]
@@ -557,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     B.dump_json(a.out, results)
     md = Path(a.out).with_suffix(".md")
     md.write_text(f"command: {results['command']}\nstarted {results['started']}, finished {results['finished']}\n"
-                  f"machine: {results['machine']}\ncpu accounting: {results['cpu_accounting']}\n{text}\n")
+                  f"machine: {results['machine']}\npackage: {results['package']}\n"
+                  f"cpu accounting: {results['cpu_accounting']}\n{text}\n")
     print(text)
     print(f"\nCPU used by other processes while measuring: {results['cpu_accounting']}")
     print(f"results: {a.out} and {md}")
