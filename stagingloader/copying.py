@@ -33,7 +33,6 @@ from .layout import safe_join
 from .manifest import Entry
 from .retry import as_source_error
 from .sources import Source, SourceFile
-from .storage import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +267,7 @@ class Copier:
     def _read_local(self, f: SourceFile, view: memoryview, hasher: xxhash.xxh3_128, out_fd: int) -> tuple[int, int]:
         """Copy a local file into ``out_fd`` through ``view``; return the (mtime_ns, size) copied."""
         path = self.source.local_path(f.rel)
-        for _attempt in range(3):
+        for _ in range(3):
             try:
                 src = os.open(path, os.O_RDONLY)
             except OSError as e:
@@ -286,8 +285,8 @@ class Copier:
                 raise as_source_error(e, path) from e
             finally:
                 os.close(src)
-            if size == after.st_size and (after.st_mtime_ns == f.mtime_ns or size != f.size or _attempt):
-                # the bytes read are the file as it stands (when it changed since the listing: at its new mtime)
+            if size == after.st_size:
+                # the bytes read are the file as it stands (if it changed since the listing: at its new mtime)
                 return after.st_mtime_ns, size
             hasher.reset()
             os.lseek(out_fd, 0, os.SEEK_SET)
@@ -448,4 +447,4 @@ def _translate(exc: BaseException) -> BaseException:
     return exc
 
 
-__all__ = ["Copier", "CopySettings", "Progress", "human_bytes"]
+__all__ = ["Copier", "CopySettings", "Progress"]

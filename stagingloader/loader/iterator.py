@@ -214,9 +214,6 @@ class _LoaderIter:
         if hasattr(e, "add_note"):
             e.add_note(note)
 
-    def __del__(self) -> None:  # nothing to release: torch's iterator owns the workers
-        pass
-
 
 def _batch_size(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
@@ -255,8 +252,7 @@ def _failing_index(tb: Any) -> Any:
 
 def _tree_map(fn: Any, batch: Any) -> Any:
     if isinstance(batch, dict):
-        return type(batch)({k: _tree_map(fn, v) for k, v in batch.items()}) if type(batch) is dict else \
-            {k: _tree_map(fn, v) for k, v in batch.items()}
+        return {k: _tree_map(fn, v) for k, v in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(_tree_map(fn, v) for v in batch))
     if isinstance(batch, (list, tuple)):
