@@ -13,7 +13,7 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]' '$(TORCH)'
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,dali]' '$(TORCH)'
 	touch $@
 
 demo: setup

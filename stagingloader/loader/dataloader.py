@@ -180,9 +180,31 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     Extra keyword arguments: ``device`` (e.g. ``"cuda"``: batches arrive on the device, copied
     on a side stream one batch ahead), ``readahead`` (batches of read-ahead hints on disk tiers,
-    default 2; 0 disables), ``stats`` (default True).  ``persistent_workers`` defaults to True
-    where it cannot change results (stagingloader's own datasets, no ``worker_init_fn``).
+    default 2; 0 disables), ``stats`` (default True), ``backend`` (``"auto"``, the default:
+    GPUDirect Storage where it can work, else this loader; ``"torch"``, ``"gds"``, ``"dali"``:
+    see :mod:`stagingloader.backends.select`).  ``persistent_workers`` defaults to True where it
+    cannot change results (stagingloader's own datasets, no ``worker_init_fn``).
+
+    With ``backend="dali"`` or ``"gds"`` (or ``"auto"`` choosing GDS) the object built is that
+    backend's loader (:class:`~stagingloader.dali.DALILoader`, :class:`~stagingloader.backends.gds.GdsLoader`):
+    same arguments, same order of samples, ``stats``, ``state_dict`` and ``set_epoch``.
     """
+
+    def __new__(cls, dataset: Any = None, *args: Any, backend: str = "auto", **kwargs: Any) -> Any:
+        from ..backends.select import choose
+
+        choice = choose(backend, dataset, kwargs.get("device"))
+        if choice.backend == "dali":
+            from ..backends.dali import DALILoader
+
+            return DALILoader(dataset, *args, **kwargs)
+        if choice.backend == "gds":
+            from ..backends.gds import GdsLoader
+
+            return GdsLoader(dataset, *args, **kwargs)
+        self = super().__new__(cls)
+        self._choice_note = choice.note
+        return self
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None, sampler: Any = None,
                  batch_sampler: Any = None, num_workers: int = 0, collate_fn: Any = None, pin_memory: bool = False,
@@ -190,7 +212,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                  multiprocessing_context: Any = None, generator: Any = None, *, prefetch_factor: int | None = None,
                  persistent_workers: bool | None = None, pin_memory_device: str = "", in_order: bool = True,
                  device: str | torch.device | None = None, readahead: int = 2, stats: bool = True,
-                 shard: str | None = None) -> None:
+                 shard: str | None = None, backend: str = "auto") -> None:
         from .datasets import StagedArrays, StagedFiles
 
         if shard is not None:
@@ -221,7 +243,10 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         gpu_index = None
         if self.device is not None and self.device.type == "cuda":
             gpu_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        self.stats = LoaderStats(self._path_note(), GpuSampler(gpu_index) if stats else None)
+        self.stats = LoaderStats(self.__dict__.get("_choice_note", "host memory"),
+                                 GpuSampler(gpu_index) if stats else None)
+        if self.device is not None and self.device.type == "cuda":
+            log.info("DataLoader: %s", self.stats.path_note)
         self.epoch = 0
         self._hints = ours and self._on_disk_tier(dataset)
         if ours:
@@ -333,11 +358,6 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         ctx = self.multiprocessing_context
         method = ctx.get_start_method() if ctx is not None else torch.multiprocessing.get_start_method(allow_none=True)
         return (method or "fork") == "fork"
-
-    def _path_note(self) -> str:
-        if self.device is None or self.device.type == "cpu":
-            return "host memory" + (" (pinned)" if self.pin_memory else "")
-        return f"to {self.device}: pinned host buffers, asynchronous copy on a side stream, one batch ahead"
 
     @staticmethod
     def _on_disk_tier(dataset: Any) -> bool:

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset, get_worker_info
 from ..dataset import StagedDataset
 from ..layout import DatasetDir, find_dataset_dir
 from .collate import GatheredBatch
-from .slots import SlotPool
+from .slots import FREE, SlotPool
 from .stats import DECODE_S, READ_BYTES, READ_S, WorkerClock
 
 
@@ -98,11 +98,25 @@ def _resolve(staged: StagedDataset | str | os.PathLike[str]) -> tuple[Path, list
     return path, [rels[i] for i in order], [sizes[i] for i in order]
 
 
+class _NpyHead:
+    """The header bytes of a ``.npy`` file and what they say."""
+
+    def __init__(self, header: bytes, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+        self.header, self.shape, self.dtype = header, shape, dtype
+
+
+def _load_npy(data: bytes) -> np.ndarray:
+    import io
+
+    return np.load(io.BytesIO(data), allow_pickle=False)  # type: ignore[no-any-return]
+
+
 class StagedFiles(Dataset[Any]):
     """One sample per file of a staged copy, with ImageFolder-style labels from the top folder.
 
     ``decode``: ``"array"`` (a numpy uint8 array of the file's bytes, the default), ``"bytes"``,
-    or a function of the bytes.  ``labels=True`` returns ``(sample, class_index)`` where the
+    ``"npy"`` (each file one ``.npy`` array; batches of equal arrays are read straight into the
+    batch, past their headers), or a function of the bytes.  ``labels=True`` returns ``(sample, class_index)`` where the
     classes are the sorted names of the top-level folders (``classes``, ``class_to_idx``).
     ``include`` keeps only paths ending with one of the given suffixes; ``prefix`` (e.g. ``"train/"``)
     keeps one part of the tree, whose folders are then the classes.
@@ -111,8 +125,8 @@ class StagedFiles(Dataset[Any]):
     def __init__(self, staged: StagedDataset | str | os.PathLike[str], *,
                  decode: str | Callable[[bytes], Any] = "array", labels: bool = True, include: Sequence[str] = (),
                  transform: Callable[[Any], Any] | None = None, prefix: str = "") -> None:
-        if not (decode in ("array", "bytes") or callable(decode)):
-            raise ValueError(f"decode must be 'array', 'bytes' or a function of the bytes, not {decode!r}")
+        if not (decode in ("array", "bytes", "npy") or callable(decode)):
+            raise ValueError(f"decode must be 'array', 'bytes', 'npy' or a function of the bytes, not {decode!r}")
         root, rels, sizes = _resolve(staged)
         if prefix:  # a part of the tree, e.g. "train/": its folders are the classes
             prefix = prefix.rstrip("/") + "/"
@@ -173,9 +187,17 @@ class StagedFiles(Dataset[Any]):
 
     def _finish(self, raw: Any, i: int) -> Any:
         x = raw
-        if callable(self.decode):
+        if callable(self.decode) or self.decode == "npy":
             t0 = time.perf_counter()
-            x = self.decode(raw if isinstance(raw, bytes) else bytes(raw))
+            data = raw if isinstance(raw, bytes) else bytes(raw)
+            if isinstance(self.decode, str):
+                try:
+                    x = _load_npy(data)
+                except (ValueError, EOFError) as e:
+                    raise ValueError(f"{self.path(i).decode(errors='replace')}: not a .npy file ({e}); "
+                                     "include=('.npy',) keeps only .npy files") from None
+            else:
+                x = self.decode(data)
             if self.clock is not None:
                 self.clock.add(DECODE_S, time.perf_counter() - t0)
         if self.transform is not None:
@@ -198,14 +220,25 @@ class StagedFiles(Dataset[Any]):
         idx = np.asarray(indices, dtype=np.int64)
         idx = np.where(idx < 0, idx + len(self), idx)
         sizes = self._sizes[idx]
-        stackable = self.decode == "array" and self.transform is None and len(idx) and (sizes == sizes[0]).all()
-        if not stackable:
+        stackable = self.decode in ("array", "npy") and self.transform is None and len(idx) and \
+            (sizes == sizes[0]).all()
+        head = self._npy_head(int(idx[0])) if stackable and self.decode == "npy" else None
+        if not stackable or (self.decode == "npy" and head is None):
             return [self[int(i)] for i in idx]
         t0 = time.perf_counter()
-        out, slot = empty_batch((len(idx), int(sizes[0])), torch.uint8, self.slots)
+        if head is None:
+            out, slot = empty_batch((len(idx), int(sizes[0])), torch.uint8, self.slots)
+        else:
+            out, slot = empty_batch((len(idx), *head.shape), torch.from_numpy(np.empty(0, head.dtype)).dtype,
+                                    self.slots)
         arr = out.numpy()
         for row, i in enumerate(idx):
-            self._read_into(int(i), memoryview(arr[row]))
+            if head is None:
+                self._read_into(int(i), memoryview(arr[row]))
+            elif not self._read_npy_into(int(i), head, memoryview(arr[row]).cast("B")):
+                if slot is not None and self.slots is not None:
+                    self.slots.state[slot] = FREE
+                return [self[int(i)] for i in idx]  # a header differs from the first: decode one by one
         if self.clock is not None:
             self.clock.add(READ_S, time.perf_counter() - t0)
             self.clock.add(READ_BYTES, int(sizes.sum()))
@@ -213,6 +246,44 @@ class StagedFiles(Dataset[Any]):
             return _LazyBatch(len(idx), lambda k: arr[k].copy(), out, slot)
         labels = self._labels[idx]
         return _LazyBatch(len(idx), lambda k: (arr[k].copy(), int(labels[k])), [out, torch.from_numpy(labels)], slot)
+
+    def _npy_head(self, i: int) -> _NpyHead | None:
+        """The header of file ``i`` when it is a C-ordered ``.npy`` whose payload can be read as is."""
+        with open(self.path(i), "rb") as f:
+            try:
+                version = np.lib.format.read_magic(f)
+                if version not in ((1, 0), (2, 0)):
+                    return None  # rarer versions are decoded one by one, by np.load
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                shape, fortran, dtype = read(f)
+            except ValueError as e:
+                raise ValueError(f"{self.path(i).decode(errors='replace')}: not a .npy file ({e})") from None
+            offset = f.tell()
+            f.seek(0)
+            header = f.read(offset)
+        if fortran or dtype.hasobject or not shape or offset + int(np.prod(shape)) * dtype.itemsize != self._sizes[i]:
+            return None
+        return _NpyHead(header, tuple(shape), dtype)
+
+    def _read_npy_into(self, i: int, head: _NpyHead, view: memoryview) -> bool:
+        """Read file ``i``'s payload into ``view``; False if its header is not ``head``'s."""
+        scratch = bytearray(len(head.header))
+        fd = os.open(self.path(i), os.O_RDONLY)
+        try:
+            got = os.readv(fd, [scratch, view])
+            while got < len(scratch) + len(view) and got >= len(scratch):
+                n = os.readv(fd, [view[got - len(scratch):]])
+                if n == 0:
+                    break
+                got += n
+        finally:
+            os.close(fd)
+        if bytes(scratch) != head.header:
+            return False
+        if got != len(scratch) + len(view):
+            raise OSError(f"{self.path(i).decode(errors='replace')}: expected {len(scratch) + len(view)} bytes, "
+                          f"read {got}; the staged file changed: run `stagingloader verify`")
+        return True
 
     def hint(self, indices: Sequence[int]) -> None:
         """Ask the kernel to start reading these files (disk tiers; nothing to gain on tmpfs)."""

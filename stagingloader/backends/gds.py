@@ -1,0 +1,186 @@
+"""GPUDirect Storage: batches read by cuFile from NVMe straight into GPU memory.
+
+For :class:`~stagingloader.StagedArrays` (rows of ``.npy`` files) and
+:class:`~stagingloader.StagedFiles` of ``.npy`` or equal-sized raw files.  Each batch is one
+GPU tensor; every sample is one cuFile read at its offset in its file (past the ``.npy``
+header), issued through kvikio (parallel, straight into the batch) or, without kvikio, through
+PyTorch's own ``torch.cuda.gds.GdsFile``.  The next batch is read on a background thread while
+the current one trains.  cuFile cannot read tmpfs; :mod:`.select` says where it can work.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import MissingDependencyError, UsageError
+from .order import IndexedLoader
+from .select import GDS_INSTALL, cufile, gds_blocker
+
+OPEN_FILES = 64  # cuFile handles kept open (registering one costs a syscall and a driver call)
+
+
+class _Layout:
+    """Where sample ``i`` lives: (file, byte offset), and the shape and dtype of one sample."""
+
+    def __init__(self, dataset: Any) -> None:
+        from ..loader.datasets import StagedArrays
+
+        if isinstance(dataset, StagedArrays):
+            maps = [np.load(p, mmap_mode="r") for p in dataset.paths]
+            self.paths = list(dataset.paths)
+            self.shape, self.dtype = tuple(dataset.row_shape), np.dtype(dataset.dtype)
+            self._starts = dataset._starts
+            self._offsets = np.asarray([m.offset for m in maps], dtype=np.int64)
+            self._rows = True
+        else:
+            self.paths = [dataset.path(i).decode("utf-8", "surrogateescape") for i in range(len(dataset))]
+            self._rows = False
+            if dataset.decode == "npy":
+                head = dataset._npy_head(0)
+                if head is None:
+                    raise UsageError(f"{self.paths[0]}: a .npy GDS cannot read as is (Fortran order or objects)")
+                self.shape, self.dtype = head.shape, np.dtype(head.dtype)
+                self._header = head.header
+                self._offsets = np.full(len(dataset), len(head.header), dtype=np.int64)
+                self._checked = np.zeros(len(dataset), dtype=bool)
+            else:
+                self.shape, self.dtype = (int(dataset._sizes[0]),), np.dtype(np.uint8)
+                self._header = b""
+                self._offsets = np.zeros(len(dataset), dtype=np.int64)
+                self._checked = np.ones(len(dataset), dtype=bool)
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+
+    def where(self, i: int) -> tuple[str, int]:
+        if self._rows:
+            f = int(np.searchsorted(self._starts, i, side="right")) - 1
+            return self.paths[f], int(self._offsets[f]) + (i - int(self._starts[f])) * self.nbytes
+        if not self._checked[i]:  # every .npy of the batch must carry the first one's header
+            with open(self.paths[i], "rb") as fh:
+                if fh.read(len(self._header)) != self._header:
+                    raise UsageError(f"{self.paths[i]}: its array differs in shape or dtype from the first file's "
+                                     f"{self.shape} {self.dtype}; GDS reads equal arrays only (use backend='torch')")
+            self._checked[i] = True
+        return self.paths[i], int(self._offsets[i])
+
+
+class _KvikioReader:
+    def __init__(self) -> None:
+        import kvikio
+
+        self._kvikio = kvikio
+        self._files: OrderedDict[str, Any] = OrderedDict()
+
+    def _open(self, path: str) -> Any:
+        f = self._files.pop(path, None) or self._kvikio.CuFile(path, "r")
+        self._files[path] = f
+        while len(self._files) > OPEN_FILES:
+            self._files.popitem(last=False)[1].close()
+        return f
+
+    def read_batch(self, rows: torch.Tensor, places: list[tuple[str, int]]) -> None:
+        futures = [self._open(p).pread(rows[k], rows.shape[1], file_offset=off) for k, (p, off) in enumerate(places)]
+        for k, fut in enumerate(futures):
+            got = fut.get()
+            if got != rows.shape[1]:
+                raise OSError(f"{places[k][0]}: read {got} bytes at {places[k][1]}, expected {rows.shape[1]}; "
+                              "the staged file changed: run `stagingloader verify`")
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+class _TorchGdsReader:
+    def __init__(self) -> None:
+        from torch.cuda import gds
+
+        self._gds = gds
+        self._files: OrderedDict[str, Any] = OrderedDict()
+
+    def _open(self, path: str) -> Any:
+        f = self._files.pop(path, None) or self._gds.GdsFile(path, os.O_RDONLY)
+        self._files[path] = f
+        while len(self._files) > OPEN_FILES:
+            self._files.popitem(last=False)
+        return f
+
+    def read_batch(self, rows: torch.Tensor, places: list[tuple[str, int]]) -> None:
+        # load_storage fills a whole storage: one per sample, then one device-to-device copy each
+        tmp = torch.empty_like(rows[0])
+        for k, (path, off) in enumerate(places):
+            self._open(path).load_storage(tmp.untyped_storage(), off)
+            rows[k].copy_(tmp)
+
+    def close(self) -> None:
+        self._files.clear()
+
+
+class GdsLoader(IndexedLoader):
+    """``DataLoader(..., device="cuda", backend="gds")``, or what ``backend="auto"`` picks on NVMe.
+
+    Batches are ``data`` (a CUDA tensor of ``batch x sample shape``), or ``[data, labels]`` when
+    the dataset has labels, as torch's default collation gives them.
+    """
+
+    backend = "gds"
+
+    def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(dataset, *args, **kwargs)
+        blocker = gds_blocker(dataset, self.device, need_cufile=False)
+        if blocker:
+            raise UsageError(f"backend='gds' cannot work here: {blocker}; backend='auto' takes the best path that "
+                             "works here")
+        how, why = cufile()
+        if not how:
+            raise MissingDependencyError(f"backend='gds' needs cuFile: {why}. {GDS_INSTALL}")
+        self._how = how
+        self._layout = _Layout(dataset)
+        self._reader: Any = None
+        self._lock = threading.Lock()
+        self._note(f"GPUDirect Storage via {how}: {len(dataset)} samples of {self._layout.nbytes} bytes read from "
+                   f"disk straight into {self.device}, one batch ahead")
+
+    def _labels(self, idx: np.ndarray) -> torch.Tensor | None:
+        labels = getattr(self.dataset, "_labels", None)
+        if labels is None or getattr(self.dataset, "labels", True) is False:
+            return None
+        return torch.from_numpy(np.asarray(labels)[idx]).to(self.device, non_blocking=True)
+
+    def _load(self, idx: np.ndarray) -> Any:
+        with self._lock, torch.cuda.device(self.device):
+            if self._reader is None:
+                self._reader = _KvikioReader() if self._how == "kvikio" else _TorchGdsReader()
+            lay = self._layout
+            out = torch.empty((len(idx), *lay.shape), dtype=torch.from_numpy(np.empty(0, lay.dtype)).dtype,
+                              device=self.device)
+            rows = out.view(torch.uint8).reshape(len(idx), lay.nbytes)
+            self._reader.read_batch(rows, [lay.where(int(i)) for i in idx])
+            labels = self._labels(idx)
+            torch.cuda.current_stream(self.device).synchronize()
+        return out if labels is None else [out, labels]
+
+    def _read(self, batches: list[np.ndarray]) -> Iterator[Any]:
+        if not batches:
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="stagingloader-gds") as pool:
+            ahead: Future[Any] = pool.submit(self._load, batches[0])
+            for k in range(len(batches)):
+                current = ahead
+                if k + 1 < len(batches):
+                    ahead = pool.submit(self._load, batches[k + 1])
+                yield current.result()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None

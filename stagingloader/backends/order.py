@@ -1,0 +1,210 @@
+"""The part every non-torch backend shares: torch's order of samples, epochs, stats and resume.
+
+The order is not re-implemented: a torch ``DataLoader`` over the indices themselves, built with
+the user's ``shuffle``/``sampler``/``drop_last``/``generator``, yields each epoch's batches of
+indices and draws from the random generators exactly as the torch path does.  A backend then
+only has to read those batches (:meth:`IndexedLoader._read`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data as tud
+
+from ..errors import UsageError
+from ..loader.iterator import _batch_size, _nbytes
+from ..loader.stats import GpuSampler, LoaderStats
+
+log = logging.getLogger("stagingloader.loader")
+
+
+class _Indices(tud.Dataset[int]):
+    """A dataset whose samples are their own indices, gathered a batch at a time."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+    def __getitems__(self, indices: Sequence[int]) -> np.ndarray:
+        return np.asarray(indices, dtype=np.int64)
+
+
+def _as_array(batch: Any) -> np.ndarray:
+    return np.asarray(batch, dtype=np.int64)
+
+
+def _device(device: str | torch.device | None) -> torch.device | None:
+    if device is None:
+        return None
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+class IndexedLoader:
+    """Iterates like ``torch.utils.data.DataLoader`` over batches a backend reads itself.
+
+    Takes torch's DataLoader arguments (positionally too) so ``stagingloader.DataLoader(...,
+    backend=...)`` can hand over as is.  Arguments about worker processes do not apply and are
+    accepted and ignored; the ones that would change the batches and cannot be honoured
+    (``batch_sampler``, ``collate_fn``, ``worker_init_fn``) are refused with the reason.
+    """
+
+    backend = ""
+
+    def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None, sampler: Any = None,
+                 batch_sampler: Any = None, num_workers: int = 0, collate_fn: Any = None, pin_memory: bool = False,
+                 drop_last: bool = False, timeout: float = 0, worker_init_fn: Any = None,
+                 multiprocessing_context: Any = None, generator: Any = None, *, prefetch_factor: int | None = None,
+                 persistent_workers: bool | None = None, pin_memory_device: str = "", in_order: bool = True,
+                 device: str | torch.device | None = None, readahead: int = 2, stats: bool = True,
+                 shard: str | None = None, backend: str | None = None) -> None:
+        del pin_memory, multiprocessing_context, persistent_workers, pin_memory_device, readahead, backend
+        name = type(self).__name__
+        for arg, value, why in (
+                ("batch_sampler", batch_sampler, "batches are fixed-size (batch_size=, drop_last=); pass sampler="),
+                ("collate_fn", collate_fn, "the backend assembles batches itself; work on them in the loop"),
+                ("worker_init_fn", worker_init_fn, "there are no worker processes to start"),
+        ):
+            if value is not None:
+                raise UsageError(f"{name} does not take {arg}: {why}")
+        if timeout:
+            raise UsageError(f"{name} does not take timeout=: it has no worker processes to wait for")
+        if not in_order:
+            raise UsageError(f"{name} always yields batches in order; drop in_order=False")
+        if batch_size is None or int(batch_size) < 1:
+            raise UsageError(f"{name} needs batch_size >= 1, not {batch_size!r}")
+        if shard is not None:
+            from ..loader.dataloader import _node_sampler
+
+            sampler, shuffle = _node_sampler(dataset, shard, sampler, None, shuffle, generator)
+        self.dataset = dataset
+        self.batch_size = int(batch_size)
+        self.drop_last = drop_last
+        self.generator = generator
+        self.num_workers = max(0, int(num_workers))
+        self.prefetch_factor = prefetch_factor
+        self._order = tud.DataLoader(_Indices(len(dataset)), batch_size=self.batch_size, shuffle=shuffle,
+                                     sampler=sampler, drop_last=drop_last, generator=generator,
+                                     collate_fn=_as_array)
+        self.sampler = self._order.sampler
+        self.batch_sampler = self._order.batch_sampler
+        self.device = _device(device)
+        gpu = self.device.index if self.device is not None and self.device.type == "cuda" else None
+        self.stats = LoaderStats("", GpuSampler(gpu) if stats else None)
+        self.epoch = 0
+        self._skip = 0
+        self._resume_rng: Any = None
+        self._pre_rng: Any = None
+        self._iterating = False
+        self._yielded = 0
+
+    # ---- what a backend provides -------------------------------------------------------------
+    def _read(self, batches: list[np.ndarray]) -> Iterator[Any]:
+        """Yield the batches for these batches of indices, in order."""
+        raise NotImplementedError
+
+    # ---- torch's interface ---------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __iter__(self) -> _EpochIter:
+        from ..loader.dataloader import _RngState
+
+        if self._resume_rng is not None:
+            self._resume_rng.restore()
+            self._resume_rng = None
+        self._pre_rng = _RngState(self._order)  # type: ignore[arg-type]
+        batches = list(self._order)  # draws from the generators as torch's DataLoader does
+        skip, self._skip = self._skip, 0
+        return _EpochIter(self, batches, skip)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Pass the epoch to every sampler and dataset that takes one (DistributedSampler...)."""
+        self.epoch = epoch
+        for obj in (self.sampler, self.dataset):
+            fn = getattr(obj, "set_epoch", None)
+            if callable(fn):
+                fn(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this epoch is: resuming from it yields exactly the batches not yet yielded."""
+        return {"format": "stagingloader-loader-state", "version": 1, "backend": self.backend, "epoch": self.epoch,
+                "batches_yielded": self._yielded if self._iterating else 0, "in_epoch": self._iterating,
+                "rng_before_epoch": self._pre_rng.to_dict() if self._iterating and self._pre_rng else None,
+                "rng_sampler": None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next ``iter(loader)`` continue the saved epoch where it stopped."""
+        from ..loader.dataloader import _RngState
+
+        if state.get("format") != "stagingloader-loader-state":
+            raise ValueError("not a stagingloader DataLoader state (from loader.state_dict())")
+        self.epoch = int(state["epoch"])
+        if not state.get("in_epoch"):
+            return
+        self._skip = int(state["batches_yielded"])
+        if state.get("rng_before_epoch") is not None:
+            self._resume_rng = _RngState.from_dict(self._order, state["rng_before_epoch"])  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Release what the backend holds (pipelines, file handles)."""
+
+    def __enter__(self) -> IndexedLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _note(self, text: str) -> None:
+        """Say which path runs and why: in ``loader.stats.path_note`` and the log."""
+        self.stats.path_note = text
+        log.info("%s: %s", type(self).__name__, text)
+
+
+class _EpochIter:
+    """One epoch: times each ``next()`` for the stats and counts batches for ``state_dict``."""
+
+    def __init__(self, loader: IndexedLoader, batches: list[np.ndarray], skip: int) -> None:
+        self.loader = loader
+        self._n = len(batches) - min(skip, len(batches))
+        loader.stats.start_epoch(loader.epoch, None)
+        loader._iterating = True
+        loader._yielded = min(skip, len(batches))
+        self._inner = loader._read(batches[skip:])
+        self._done = False
+
+    def __iter__(self) -> _EpochIter:
+        return self
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        t0 = time.perf_counter()
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            self._done = True
+            loader = self.loader
+            loader._iterating = False
+            loader.stats.end_epoch(None)
+            loader.epoch += 1
+            raise
+        self.loader.stats.record(time.perf_counter() - t0, _batch_size(batch), _nbytes(batch))
+        self.loader._yielded += 1
+        return batch

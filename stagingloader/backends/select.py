@@ -1,0 +1,136 @@
+"""Which path feeds the GPU, per tier and per what is installed, and why.
+
+* ``"torch"``: torch's DataLoader; with ``device="cuda"`` batches land in pinned host memory and
+  are copied asynchronously on a side stream while the previous batch trains.
+* ``"gds"``: GPUDirect Storage (cuFile) reads ``.npy`` rows or raw files from NVMe straight into
+  GPU memory (:mod:`.gds`).  It needs a CUDA device, cuFile, and a file system cuFile can read:
+  not tmpfs.
+* ``"dali"``: a DALI pipeline (:mod:`.dali`); asked for by name, never chosen silently.
+* ``"auto"`` (the default): GDS where it can work, else torch's path, with the reason recorded
+  in ``loader.stats.path_note`` and the log ("tmpfs: GDS not possible, using pinned async copies").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import MissingDependencyError, UsageError
+
+BACKENDS = ("auto", "torch", "dali", "gds")
+#: file systems cuFile reads (local ext4/XFS on NVMe, and the GDS-capable parallel file systems)
+GDS_FS = frozenset({"ext4", "xfs", "lustre", "gpfs", "beegfs", "wekafs"})
+GDS_INSTALL = "pip install 'stagingloader[gds]'  (kvikio), or a PyTorch built with cuFile (torch.cuda.gds)"
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend: str  #: "torch", "gds" or "dali"
+    note: str  #: which path, and why, in words
+
+
+@functools.lru_cache(maxsize=1)
+def cufile() -> tuple[str, str]:
+    """(how, why): how cuFile is reached ("kvikio", "torch.cuda.gds" or "" if not) and why not."""
+    try:
+        import kvikio  # noqa: F401
+
+        return "kvikio", ""
+    except ImportError:
+        pass
+    except Exception as e:  # a broken install: say so rather than fall through silently
+        return "", f"kvikio failed to load ({e})"
+    fn = getattr(torch._C, "_gds_register_handle", None)
+    if fn is None or getattr(fn, "__name__", "") == "fn":  # torch puts a Python stub there without cuFile
+        return "", "this PyTorch is built without cuFile and kvikio is not installed"
+    for name in ("libcufile.so.0", "libcufile.so"):
+        try:
+            ctypes.CDLL(name)
+            return "torch.cuda.gds", ""
+        except OSError:
+            continue
+    return "", "NVIDIA's cuFile library (libcufile.so) is not installed"
+
+
+def _root_of(dataset: Any) -> str | None:
+    root = getattr(dataset, "root", None) or (getattr(dataset, "paths", None) or [None])[0]
+    return None if root is None else str(root)
+
+
+def gds_eligible(dataset: Any) -> str:
+    """Why GDS cannot read this dataset's samples as they are, or "" if it can."""
+    from ..loader.datasets import StagedArrays, StagedFiles
+
+    if isinstance(dataset, StagedArrays):
+        return ""
+    if isinstance(dataset, StagedFiles):
+        if dataset.transform is not None or callable(dataset.decode) or dataset.decode == "bytes":
+            return "the dataset decodes or transforms samples on the CPU"
+        if dataset.decode == "array" and len(set(dataset._sizes.tolist())) > 1:
+            return "the files differ in size"
+        return ""
+    return f"a {type(dataset).__name__} is read by its own code"
+
+
+def gds_blocker(dataset: Any, device: torch.device | None, need_cufile: bool = True) -> str:
+    """Why GPUDirect Storage cannot feed this dataset to this device, or "" if it can."""
+    from ..storage import mount_of
+
+    if device is None or device.type != "cuda":
+        return "GDS reads into GPU memory and no CUDA device was asked for (device='cuda')"
+    root = _root_of(dataset)
+    if root is None:
+        return "the dataset has no files on disk"
+    m = mount_of(root)
+    if m.is_memory:
+        return f"{m.fs_type}: GDS not possible (cuFile cannot read RAM-backed {m.mount_point})"
+    if m.fs_type not in GDS_FS:
+        return f"{m.fs_type} at {m.mount_point}: not a file system cuFile reads (ext4, XFS on NVMe; Lustre, GPFS...)"
+    why = gds_eligible(dataset)
+    if why:
+        return why
+    if not torch.cuda.is_available():
+        return "CUDA is not available here"
+    if need_cufile:
+        how, why = cufile()
+        if not how:
+            return why
+    return ""
+
+
+def choose(requested: str, dataset: Any, device: str | torch.device | None) -> Choice:
+    """The path for ``DataLoader(dataset, device=device, backend=requested)``; raises where it cannot work."""
+    if requested not in BACKENDS:
+        raise UsageError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, not {requested!r}")
+    dev = torch.device(device) if device is not None else None
+    if requested == "dali":
+        from .dali import import_dali
+
+        import_dali()
+        return Choice("dali", "DALI pipeline")
+    if requested == "torch":
+        return Choice("torch", _torch_note(dev, "backend='torch'"))
+    blocker = gds_blocker(dataset, dev, need_cufile=False)
+    how, why = cufile() if not blocker else ("", "")
+    if requested == "gds":
+        if blocker:
+            raise UsageError(f"backend='gds' cannot work here: {blocker}; "
+                             "backend='auto' takes the best path that works here")
+        if not how:
+            raise MissingDependencyError(f"backend='gds' needs cuFile: {why}. {GDS_INSTALL}")
+        return Choice("gds", f"GPUDirect Storage via {how}: reads go straight from disk to {dev}")
+    if not blocker and how:
+        return Choice("gds", f"GPUDirect Storage via {how}: reads go straight from disk to {dev}")
+    return Choice("torch", _torch_note(dev, blocker or why))
+
+
+def _torch_note(dev: torch.device | None, why: str) -> str:
+    if dev is None or dev.type == "cpu":
+        return "host memory"
+    if dev.type != "cuda":
+        return f"to {dev}: copied after each batch is read"
+    return f"{why}, using pinned async copies to {dev} on a side stream, one batch ahead"

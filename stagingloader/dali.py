@@ -1,0 +1,9 @@
+"""``stagingloader.dali``: the DALI backend (``pip install 'stagingloader[dali]'``).
+
+``DALILoader(staged, batch_size=..., shuffle=..., device="cuda")`` is what
+``stagingloader.DataLoader(..., backend="dali")`` builds; see :mod:`stagingloader.backends.dali`.
+"""
+
+from .backends.dali import DALILoader, dali_available
+
+__all__ = ["DALILoader", "dali_available"]

@@ -1,0 +1,94 @@
+"""Which path feeds the GPU (torch's pinned async copies, GPUDirect Storage, DALI), and the messages when asked
+for one that cannot work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import stagingloader as sl
+from stagingloader.backends import select
+from stagingloader.backends.select import choose, gds_blocker, gds_eligible
+
+
+@pytest.fixture
+def shm_rows() -> sl.StagedArrays:
+    path = Path("/dev/shm") / f"stagingloader-test-{id(object())}.npy"
+    np.save(path, np.arange(40, dtype=np.float32).reshape(10, 4))
+    yield sl.StagedArrays(path)
+    path.unlink()
+
+
+@pytest.fixture
+def disk_rows(tmp_path: Path) -> sl.StagedArrays:
+    np.save(tmp_path / "rows.npy", np.arange(40, dtype=np.float32).reshape(10, 4))
+    return sl.StagedArrays(tmp_path / "rows.npy")
+
+
+def test_auto_on_tmpfs_says_gds_cannot_and_uses_pinned_copies(shm_rows: sl.StagedArrays) -> None:
+    c = choose("auto", shm_rows, "cuda")
+    assert c.backend == "torch"
+    assert c.note.startswith("tmpfs: GDS not possible")
+    assert "pinned async copies to cuda" in c.note
+
+
+def test_auto_without_a_gpu_is_plain_host_memory(disk_rows: sl.StagedArrays) -> None:
+    assert choose("auto", disk_rows, None) == select.Choice("torch", "host memory")
+    loader = sl.DataLoader(disk_rows, batch_size=4)
+    assert type(loader) is sl.DataLoader
+    assert loader.stats.path_note == "host memory"
+    assert [b.shape[0] for b in loader] == [4, 4, 2]
+
+
+def test_asking_for_gds_on_tmpfs_is_refused_with_the_reason(shm_rows: sl.StagedArrays) -> None:
+    with pytest.raises(sl.UsageError, match=r"tmpfs: GDS not possible .*/dev/shm.*backend='auto'"):
+        sl.DataLoader(shm_rows, batch_size=4, device="cuda", backend="gds")
+
+
+def test_asking_for_gds_without_a_device_is_refused(disk_rows: sl.StagedArrays) -> None:
+    with pytest.raises(sl.UsageError, match="device='cuda'"):
+        sl.DataLoader(disk_rows, batch_size=4, backend="gds")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_asking_for_gds_without_cuda_says_so(disk_rows: sl.StagedArrays) -> None:
+    with pytest.raises(sl.UsageError, match="CUDA is not available here"):
+        sl.DataLoader(disk_rows, batch_size=4, device="cuda", backend="gds")
+    assert choose("auto", disk_rows, "cuda").note.startswith("CUDA is not available here, using pinned async")
+
+
+def test_missing_cufile_names_the_install_line(disk_rows: sl.StagedArrays, monkeypatch: pytest.MonkeyPatch) -> None:
+    # no GPU here: pretend CUDA is present (the one stand-in) to reach the cuFile check, which is real
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    how, why = select.cufile()
+    if how:
+        pytest.skip(f"cuFile is reachable here ({how})")
+    with pytest.raises(sl.MissingDependencyError, match=r"needs cuFile: .*pip install 'stagingloader\[gds\]'"):
+        choose("gds", disk_rows, "cuda")
+    c = choose("auto", disk_rows, "cuda")
+    assert c.backend == "torch" and why in c.note
+
+
+def test_gds_reads_only_what_it_can_read_as_is(tmp_path: Path) -> None:
+    for i, n in enumerate((8, 8, 9)):
+        (tmp_path / f"{i}.bin").write_bytes(bytes(n))
+    assert gds_eligible(sl.StagedFiles(tmp_path)) == "the files differ in size"
+    assert "decodes or transforms" in gds_eligible(sl.StagedFiles(tmp_path, decode="bytes"))
+    assert "read by its own code" in gds_eligible(list(range(3)))
+    (tmp_path / "2.bin").write_bytes(bytes(8))
+    assert gds_eligible(sl.StagedFiles(tmp_path)) == ""
+    assert gds_blocker(sl.StagedFiles(tmp_path), torch.device("cpu")).startswith("GDS reads into GPU memory")
+
+
+def test_unknown_backend_lists_the_choices(disk_rows: sl.StagedArrays) -> None:
+    with pytest.raises(sl.UsageError, match="'auto', 'torch', 'dali', 'gds'"):
+        sl.DataLoader(disk_rows, backend="cufile")
+
+
+def test_torch_backend_is_the_drop_in_loader(disk_rows: sl.StagedArrays) -> None:
+    loader = sl.DataLoader(disk_rows, batch_size=3, backend="torch")
+    assert isinstance(loader, torch.utils.data.DataLoader)
+    assert torch.equal(next(iter(loader)), torch.arange(12, dtype=torch.float32).reshape(3, 4))
