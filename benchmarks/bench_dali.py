@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -86,6 +87,7 @@ def main() -> None:
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    logging.getLogger("stagingloader").setLevel(logging.ERROR)  # no training step here: every epoch "stalls"
     root = make(Path(args.dir), args.files)
     print(f"{args.files} x 100 KiB .npy in {root} ({os.cpu_count()} cores), batch {args.batch}, shuffled")
     results: dict[str, dict[str, Any]] = {}

@@ -209,3 +209,12 @@ def test_missing_dali_names_the_install_line(trees: dict[str, Path]) -> None:
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert "MISSING" in out.stdout, out.stderr
     assert "pip install 'stagingloader[dali]'" in out.stdout
+
+
+def test_a_stalling_pipeline_is_blamed_on_dali(trees: dict[str, Path]) -> None:
+    loader = sl.DataLoader(sl.StagedFiles(trees["raw"]), batch_size=2, backend="dali")
+    for _ in loader:  # no training step: the loop waits on data nearly all of the time
+        pass
+    verdict = sl.diagnose(loader)
+    assert "DALI pipeline did not keep up" in verdict and "num_workers=" in verdict
+    assert loader.stats.to_dict()["backend"] == "dali"

@@ -104,6 +104,7 @@ class IndexedLoader:
         self.device = _device(device)
         gpu = self.device.index if self.device is not None and self.device.type == "cuda" else None
         self.stats = LoaderStats("", GpuSampler(gpu) if stats else None)
+        self.stats.backend = self.backend
         self.epoch = 0
         self._skip = 0
         self._resume_rng: Any = None

@@ -8,8 +8,18 @@ if TYPE_CHECKING:
     from .stats import EpochStats
 
 
-def explain(e: EpochStats, tier: str = "") -> str:
-    """One or two sentences: storage, CPU or transfer, with the fix (``tier``: where the data is read from)."""
+def explain(e: EpochStats, tier: str = "", backend: str = "torch") -> str:
+    """One or two sentences: storage, CPU or transfer, with the fix (``tier``: where the data is read from;
+    ``backend``: which loader read it)."""
+    if backend == "dali":
+        return ("The DALI pipeline did not keep up (it reads and decodes in its own threads, so the time is not "
+                "split further): give it more CPU threads (num_workers=) or a deeper queue (prefetch_factor=), "
+                "move operators to the GPU (device='mixed' or 'gpu'), or stage the data to tmpfs.")
+    if backend == "gds":
+        rate = e.bytes / e.wait_s / 1e9 if e.wait_s > 0 else 0.0
+        return (f"GPUDirect Storage reads did not keep up (about {rate:.2f} GB/s while the loop waited): use "
+                "larger batches or samples, install kvikio for parallel reads (pip install 'stagingloader[gds]'), "
+                "or stage to tmpfs, where pinned asynchronous copies feed the GPU (backend='torch').")
     read, cpu = e.read_s, e.decode_s + e.collate_s
     other = max(e.fetch_s - read - e.decode_s, 0.0)  # dataset time we cannot split (user datasets)
     busy = read + cpu + other
@@ -44,4 +54,4 @@ def diagnose(loader: Any) -> str:
             head += " (under 80% while the loop waits on data: the data path holds the GPU back)"
     if e.stall_fraction <= STALL_WARNING:
         return head + ": the loader keeps up; data is not the bottleneck."
-    return f"{head}. {explain(e, getattr(stats, 'tier', ''))}"
+    return f"{head}. {explain(e, getattr(stats, 'tier', ''), getattr(stats, 'backend', 'torch'))}"

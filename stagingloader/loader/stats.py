@@ -147,6 +147,7 @@ class LoaderStats:
         self.epochs: list[EpochStats] = []
         self.current: EpochStats | None = None
         self.path_note = path_note  #: how batches reach the consumer, and why
+        self.backend = "torch"  #: which loader reads: "torch", "dali" or "gds"
         self._t_start = 0.0
         self._t_last = 0.0
         self._clock_at_start: np.ndarray | None = None
@@ -215,7 +216,7 @@ class LoaderStats:
         """The likely cause of a stall and its fix, from where the workers spent their time."""
         from .diagnosis import explain
 
-        return explain(e, self.tier)
+        return explain(e, self.tier, self.backend)
 
     def _log(self, e: EpochStats) -> None:
         log.info(
@@ -232,7 +233,7 @@ class LoaderStats:
                         e.epoch, 100 * e.stall_fraction, self.blame(e))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": "stagingloader-stats", "version": 1, "path": self.path_note,
+        return {"format": "stagingloader-stats", "version": 1, "path": self.path_note, "backend": self.backend,
                 "epochs": [e.to_dict(with_waits=True) for e in self.epochs],
                 "total": self.total.to_dict()}
 
