@@ -20,7 +20,7 @@ demo: setup
 	$(BIN)/stagingloader demo
 
 lint: setup
-	$(BIN)/ruff check stagingloader tests benchmarks
+	$(BIN)/ruff check stagingloader tests benchmarks examples
 	$(BIN)/mypy
 
 test: lint

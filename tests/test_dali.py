@@ -218,3 +218,33 @@ def test_a_stalling_pipeline_is_blamed_on_dali(trees: dict[str, Path]) -> None:
     verdict = sl.diagnose(loader)
     assert "DALI pipeline did not keep up" in verdict and "num_workers=" in verdict
     assert loader.stats.to_dict()["backend"] == "dali"
+
+
+def test_rank_and_world_size_shard_like_a_distributed_sampler(trees: dict[str, Path]) -> None:
+    ds = sl.StagedFiles(trees["npy"], decode="npy", labels=False)
+    for rank in range(3):
+        sampler = DistributedSampler(ds, num_replicas=3, rank=rank, shuffle=True, seed=5)
+        want = _epochs(lambda s=sampler: sl.DataLoader(ds, batch_size=3, sampler=s), 2, sampler)
+        loader = DALILoader(ds, batch_size=3, shuffle=True, rank=rank, world_size=3, seed=5)
+        got = []
+        for e in range(2):
+            loader.set_epoch(e)
+            got.append(list(loader))
+        assert _same(want, got)
+    with pytest.raises(sl.UsageError, match=r"rank must be in 0\.\.2"):
+        DALILoader(ds, rank=3, world_size=3)
+    with pytest.raises(sl.UsageError, match="together"):
+        DALILoader(ds, rank=1)
+
+
+def test_the_example_trains_from_a_staged_image_folder(tmp_path: Path) -> None:
+    """examples/train_dali.py on the CPU: stage JPEGs, decode and resize them in DALI, learn the colours."""
+    pytest.importorskip("PIL", reason="the example draws its sample images with Pillow")
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_dali.py"
+    out = subprocess.run([sys.executable, str(example), "--sample", "--device", "cpu", "--root", str(tmp_path),
+                          "--epochs", "3"], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    epochs = [line for line in out.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(epochs) == 3 and all("96 images" in line for line in epochs)
+    assert "accuracy 1.00" in epochs[-1]  # one colour per class: learnt in three epochs
+    assert "fn.readers.file over 96 files" in out.stdout

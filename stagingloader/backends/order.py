@@ -53,13 +53,28 @@ def _device(device: str | torch.device | None) -> torch.device | None:
     return dev
 
 
+def _rank_sampler(dataset: Any, rank: int | None, world_size: int | None, sampler: Any, shuffle: bool | None,
+                  seed: int) -> tuple[Any, None]:
+    """``rank=``, ``world_size=``: this rank's share, as ``DistributedSampler(dataset, world_size, rank,
+    shuffle, seed)`` gives it (padded to equal shares; call ``set_epoch`` to reshuffle)."""
+    if rank is None or world_size is None:
+        raise UsageError("pass rank= and world_size= together (e.g. from torch.distributed), or neither")
+    if not 0 <= rank < world_size:
+        raise UsageError(f"rank must be in 0..{world_size - 1} for world_size={world_size}, not {rank}")
+    if sampler is not None:
+        raise UsageError("rank= and world_size= build the sampler; do not pass sampler= with them")
+    return tud.DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=bool(shuffle), seed=seed), None
+
+
 class IndexedLoader:
     """Iterates like ``torch.utils.data.DataLoader`` over batches a backend reads itself.
 
     Takes torch's DataLoader arguments (positionally too) so ``stagingloader.DataLoader(...,
-    backend=...)`` can hand over as is.  Arguments about worker processes do not apply and are
-    accepted and ignored; the ones that would change the batches and cannot be honoured
-    (``batch_sampler``, ``collate_fn``, ``worker_init_fn``) are refused with the reason.
+    backend=...)`` can hand over as is; ``rank=``, ``world_size=`` (and ``seed=``) shard like a
+    ``DistributedSampler``, the way DALI readers take ``shard_id``/``num_shards``.  Arguments about
+    worker processes do not apply and are accepted and ignored; the ones that would change the
+    batches and cannot be honoured (``batch_sampler``, ``collate_fn``, ``worker_init_fn``) are
+    refused with the reason.
     """
 
     backend = ""
@@ -70,7 +85,8 @@ class IndexedLoader:
                  multiprocessing_context: Any = None, generator: Any = None, *, prefetch_factor: int | None = None,
                  persistent_workers: bool | None = None, pin_memory_device: str = "", in_order: bool = True,
                  device: str | torch.device | None = None, readahead: int = 2, stats: bool = True,
-                 shard: str | None = None, backend: str | None = None) -> None:
+                 shard: str | None = None, backend: str | None = None, rank: int | None = None,
+                 world_size: int | None = None, seed: int = 0) -> None:
         del pin_memory, multiprocessing_context, persistent_workers, pin_memory_device, readahead, backend
         name = type(self).__name__
         for arg, value, why in (
@@ -90,6 +106,8 @@ class IndexedLoader:
             from ..loader.dataloader import _node_sampler
 
             sampler, shuffle = _node_sampler(dataset, shard, sampler, None, shuffle, generator)
+        if rank is not None or world_size is not None:
+            sampler, shuffle = _rank_sampler(dataset, rank, world_size, sampler, shuffle, seed)
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.drop_last = drop_last
