@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # torch is pinned: 2.13.0 is a CPU wheel on this project's machines; an open range pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench bench-peers clean
+.PHONY: setup demo test lint bench bench-peers gpu-wheels clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +35,11 @@ bench-peers:  # the loader against mosaicml-streaming and litdata, in a venv of 
 	$(PY) -m venv .venv-peers
 	.venv-peers/bin/pip install -q -r benchmarks/peers-requirements.txt
 	.venv-peers/bin/python benchmarks/bench_peers.py
+
+gpu-wheels:  # what the GPU machine may lack (it has no network): carry .gpu-wheels there; gpu_check.sh installs them
+	for v in 3.10 3.11 3.12 3.13; do $(BIN)/pip download -q --only-binary=:all: --python-version $$v \
+	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+	  -d .gpu-wheels xxhash fsspec tqdm pytest pytest-timeout exceptiongroup tomli; done
 
 clean:
 	rm -rf $(VENV) stagingloader-demo

@@ -114,11 +114,14 @@ class _TorchGdsReader:
         return f
 
     def read_batch(self, rows: torch.Tensor, places: list[tuple[str, int]]) -> None:
-        # load_storage fills a whole storage: one per sample, then one device-to-device copy each
-        tmp = torch.empty_like(rows[0])
-        for k, (path, off) in enumerate(places):
-            self._open(path).load_storage(tmp.untyped_storage(), off)
-            rows[k].copy_(tmp)
+        # load_storage fills a whole storage: one per sample, then a device-to-device copy into the batch.
+        # cuFile reads are not stream-ordered: every buffer stays alive until the copies are done (the
+        # caller synchronizes), so no read lands in memory a pending copy still reads from.
+        parts = [torch.empty_like(rows[0]) for _ in places]
+        for part, (path, off) in zip(parts, places):
+            self._open(path).load_storage(part.untyped_storage(), off)
+        torch.stack(parts, out=rows)
+        torch.cuda.current_stream(rows.device).synchronize()
 
     def close(self) -> None:
         self._files.clear()
