@@ -152,11 +152,10 @@ class IndexedLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Pass the epoch to every sampler and dataset that takes one (DistributedSampler...)."""
+        from ..loader.dataloader import pass_epoch
+
         self.epoch = epoch
-        for obj in (self.sampler, self.dataset):
-            fn = getattr(obj, "set_epoch", None)
-            if callable(fn):
-                fn(epoch)
+        pass_epoch(epoch, self.sampler, self.dataset)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this epoch is: resuming from it yields exactly the batches not yet yielded."""
@@ -167,14 +166,13 @@ class IndexedLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next ``iter(loader)`` continue the saved epoch where it stopped."""
-        from ..loader.dataloader import _RngState
+        from ..loader.dataloader import _RngState, saved_batches
 
-        if state.get("format") != "stagingloader-loader-state":
-            raise ValueError("not a stagingloader DataLoader state (from loader.state_dict())")
+        k = saved_batches(state)
         self.epoch = int(state["epoch"])
-        if not state.get("in_epoch"):
+        if k is None:
             return
-        self._skip = int(state["batches_yielded"])
+        self._skip = k
         if state.get("rng_before_epoch") is not None:
             self._resume_rng = _RngState.from_dict(self._order, state["rng_before_epoch"])  # type: ignore[arg-type]
 

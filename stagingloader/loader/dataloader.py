@@ -70,6 +70,21 @@ def _generators(obj: Any, seen: set[int] | None = None) -> list[torch.Generator]
     return out
 
 
+def pass_epoch(epoch: int, *objs: Any) -> None:
+    """``set_epoch(epoch)`` on every object that has it (DistributedSampler, datasets...)."""
+    for obj in objs:
+        fn = getattr(obj, "set_epoch", None)
+        if callable(fn):
+            fn(epoch)
+
+
+def saved_batches(state: dict[str, Any]) -> int | None:
+    """How many batches of its epoch a loader state had yielded; None if saved between epochs."""
+    if state.get("format") != "stagingloader-loader-state":
+        raise ValueError("not a stagingloader DataLoader state (from loader.state_dict())")
+    return int(state["batches_yielded"]) if state.get("in_epoch") else None
+
+
 class _RngState:
     """The torch RNG states that decide an epoch's order: global, the loader's, the samplers'."""
 
@@ -306,10 +321,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     def set_epoch(self, epoch: int) -> None:
         """Pass the epoch to every sampler and dataset that takes one (DistributedSampler...)."""
         self.epoch = epoch
-        for obj in (self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None), self.dataset):
-            fn = getattr(obj, "set_epoch", None)
-            if callable(fn):
-                fn(epoch)
+        pass_epoch(epoch, self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None), self.dataset)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this epoch is: resuming from it yields exactly the batches not yet yielded."""
@@ -323,12 +335,10 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next ``iter(loader)`` continue the saved epoch where it stopped."""
-        if state.get("format") != "stagingloader-loader-state":
-            raise ValueError("not a stagingloader DataLoader state (from loader.state_dict())")
+        k = saved_batches(state)
         self.epoch = int(state["epoch"])
-        if not state.get("in_epoch"):
+        if k is None:
             return
-        k = int(state["batches_yielded"])
         if self._dataset_kind == tud.dataloader._DatasetKind.Iterable:
             self._discard = k  # an iterable dataset can only be replayed
         else:
