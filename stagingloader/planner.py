@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .storage import human_bytes, meminfo, mount_of
+from .storage import GDS_FS, human_bytes, meminfo, mount_of
 
 RESERVE = 0.9  #: plan to use at most 90 % of what a tier measured
 
@@ -87,7 +87,7 @@ def assess(f: Facts) -> Plan:
         keeps_up = t.read_gbps * RESERVE >= need
         row: dict[str, Any] = {"tier": t.path, "kind": t.kind, "fs": t.fs_type, "fits": fits, "room_bytes": budget,
                "stage_s": stage_s, "read_gbps": t.read_gbps, "keeps_up": keeps_up,
-               "gds": t.kind != "tmpfs" and t.fs_type in ("ext4", "xfs")}
+               "gds": t.kind != "tmpfs" and t.fs_type in GDS_FS}
         plan.tiers.append(row)
         if fits:
             fitting.append(row)

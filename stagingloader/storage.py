@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MEMORY_FS = frozenset({"tmpfs", "ramfs"})
+#: file systems GPUDirect Storage (cuFile) reads: local ext4/XFS on NVMe, and GDS-capable parallel file systems
+GDS_FS = frozenset({"ext4", "xfs", "lustre", "gpfs", "beegfs", "wekafs"})
 NETWORK_FS = frozenset(
     {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "fuse.sshfs",
      "glusterfs", "fuse.glusterfs", "panfs", "wekafs", "9p", "afs"}

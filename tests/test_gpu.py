@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import stagingloader as sl
-from stagingloader.backends.select import GDS_FS, cufile
-from stagingloader.storage import mount_of
+from stagingloader.backends.select import cufile
+from stagingloader.storage import GDS_FS, mount_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

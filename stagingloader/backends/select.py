@@ -20,10 +20,9 @@ from typing import Any
 import torch
 
 from ..errors import MissingDependencyError, UsageError
+from ..storage import GDS_FS
 
 BACKENDS = ("auto", "torch", "dali", "gds")
-#: file systems cuFile reads (local ext4/XFS on NVMe, and the GDS-capable parallel file systems)
-GDS_FS = frozenset({"ext4", "xfs", "lustre", "gpfs", "beegfs", "wekafs"})
 GDS_INSTALL = "pip install 'stagingloader[gds]'  (kvikio), or a PyTorch built with cuFile (torch.cuda.gds)"
 
 
