@@ -85,6 +85,7 @@ def test_tmpfs_takes_pinned_async_copies_and_says_why() -> None:
         loader = sl.DataLoader(ds, batch_size=16, device="cuda")
         assert isinstance(loader, sl.DataLoader)
         assert loader.stats.path_note.startswith("tmpfs: GDS not possible")
+        assert ds.__getitems__([0, 1]).stacked.is_pinned()  # read straight into pinned memory
         got = list(loader)
         assert all(b.is_cuda for b in got)
         assert torch.equal(torch.cat([b.cpu() for b in got]), torch.from_numpy(np.load(Path(d) / "rows.npy")))

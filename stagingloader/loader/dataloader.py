@@ -243,6 +243,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         if ours:
             dataset.clock = clock
             dataset.slots = None
+            dataset.pin = device is not None and torch.device(device).type == "cuda"
             if workers and (collate_fn is None or collate_fn is tud.default_collate):
                 dataset.slots = SlotPool(workers, (prefetch_factor or 2) + 2)
         auto = batch_sampler is not None or batch_size is not None

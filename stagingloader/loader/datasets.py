@@ -25,16 +25,18 @@ from .slots import FREE, SlotPool
 from .stats import DECODE_S, READ_BYTES, READ_S, WorkerClock
 
 
-def empty_batch(shape: tuple[int, ...], dtype: torch.dtype, slots: SlotPool | None = None,
+def empty_batch(shape: tuple[int, ...], dtype: torch.dtype, slots: SlotPool | None = None, pin: bool = False,
                 ) -> tuple[torch.Tensor, tuple[int, int] | None]:
     """A tensor for a batch, and the (worker, slot) it occupies if any.
 
     Inside a worker it lives in shared memory (it crosses to the main process as is): a reused
-    slot when the loader gave the dataset a slot pool, else a fresh segment as torch does.
+    slot when the loader gave the dataset a slot pool, else a fresh segment as torch does.  In
+    the main process with ``pin`` (the loader copies to a GPU), it is pinned memory from torch's
+    caching host allocator, so the copy to the device is asynchronous.
     """
     info = get_worker_info()
     if info is None:
-        return torch.empty(shape, dtype=dtype), None
+        return torch.empty(shape, dtype=dtype, pin_memory=pin), None
     if slots is not None:
         got = slots.empty(shape, dtype)
         if got is not None:
@@ -155,6 +157,7 @@ class StagedFiles(Dataset[Any]):
         self.clock: WorkerClock | None = None  # set by stagingloader.DataLoader
         self.slots: SlotPool | None = None  # set by stagingloader.DataLoader with workers
         self.fadvise = False  # set by the loader on disk tiers: read-ahead hints are useful there
+        self.pin = False  # set by the loader when batches go to a GPU: read them into pinned memory
 
     def __len__(self) -> int:
         return len(self._sizes)
@@ -227,10 +230,10 @@ class StagedFiles(Dataset[Any]):
             return [self[int(i)] for i in idx]
         t0 = time.perf_counter()
         if head is None:
-            out, slot = empty_batch((len(idx), int(sizes[0])), torch.uint8, self.slots)
+            out, slot = empty_batch((len(idx), int(sizes[0])), torch.uint8, self.slots, self.pin)
         else:
             out, slot = empty_batch((len(idx), *head.shape), torch.from_numpy(np.empty(0, head.dtype)).dtype,
-                                    self.slots)
+                                    self.slots, self.pin)
         arr = out.numpy()
         for row, i in enumerate(idx):
             if head is None:
@@ -335,6 +338,7 @@ class StagedArrays(Dataset[Any]):
         self.clock: WorkerClock | None = None
         self.slots: SlotPool | None = None
         self.fadvise = False
+        self.pin = False  # set by the loader when batches go to a GPU: read them into pinned memory
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -375,7 +379,7 @@ class StagedArrays(Dataset[Any]):
         if len(idx) and (idx.min() < 0 or idx.max() >= n):
             raise IndexError(f"row out of range for {n} rows")
         out, slot = empty_batch((len(idx), *self.row_shape), torch.from_numpy(np.empty(0, self.dtype)).dtype,
-                                self.slots)
+                                self.slots, self.pin)
         arr = out.numpy()
         maps = self._mm()
         which = np.searchsorted(self._starts, idx, side="right") - 1
