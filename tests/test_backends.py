@@ -92,3 +92,15 @@ def test_torch_backend_is_the_drop_in_loader(disk_rows: sl.StagedArrays) -> None
     loader = sl.DataLoader(disk_rows, batch_size=3, backend="torch")
     assert isinstance(loader, torch.utils.data.DataLoader)
     assert torch.equal(next(iter(loader)), torch.arange(12, dtype=torch.float32).reshape(3, 4))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.parametrize("backend", ["auto", "torch", "dali"])
+def test_a_cuda_device_without_cuda_is_one_clear_error(disk_rows: sl.StagedArrays, tmp_path: Path,
+                                                       backend: str) -> None:
+    ds: object = disk_rows
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+        ds = sl.StagedFiles(tmp_path)
+    with pytest.raises(sl.UsageError, match=r"device='cuda', but CUDA is not available here .*leave device= out"):
+        sl.DataLoader(ds, batch_size=2, device="cuda", backend=backend)

@@ -44,15 +44,6 @@ def _as_array(batch: Any) -> np.ndarray:
     return np.asarray(batch, dtype=np.int64)
 
 
-def _device(device: str | torch.device | None) -> torch.device | None:
-    if device is None:
-        return None
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
 def _rank_sampler(dataset: Any, rank: int | None, world_size: int | None, sampler: Any, shuffle: bool | None,
                   seed: int) -> tuple[Any, None]:
     """``rank=``, ``world_size=``: this rank's share, as ``DistributedSampler(dataset, world_size, rank,
@@ -119,7 +110,9 @@ class IndexedLoader:
                                      collate_fn=_as_array)
         self.sampler = self._order.sampler
         self.batch_sampler = self._order.batch_sampler
-        self.device = _device(device)
+        from ..loader.dataloader import resolve_device
+
+        self.device = resolve_device(device)
         gpu = self.device.index if self.device is not None and self.device.type == "cuda" else None
         self.stats = LoaderStats("", GpuSampler(gpu) if stats else None)
         self.stats.backend = self.backend

@@ -70,6 +70,23 @@ def _generators(obj: Any, seen: set[int] | None = None) -> list[torch.Generator]
     return out
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device | None:
+    """``device=`` as a torch.device, a CUDA one with its index; a clear error where CUDA is missing."""
+    if device is None:
+        return None
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        from ..errors import UsageError
+
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise UsageError(f"device={str(device)!r}, but CUDA is not available here (torch {torch.__version__}, "
+                             f"{build}): leave device= out to get batches in host memory")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def pass_epoch(epoch: int, *objs: Any) -> None:
     """``set_epoch(epoch)`` on every object that has it (DistributedSampler, datasets...)."""
     for obj in objs:
@@ -254,11 +271,11 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                          pin_memory_device=pin_memory_device, in_order=in_order)
         self.user_collate_fn = collate_fn
         self.clock = clock
-        self.device = torch.device(device) if device is not None else None
+        self.device = resolve_device(device)
         self.readahead = max(0, int(readahead))
         gpu_index = None
         if self.device is not None and self.device.type == "cuda":
-            gpu_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            gpu_index = self.device.index
         self.stats = LoaderStats(self.__dict__.get("_choice_note", "host memory"),
                                  GpuSampler(gpu_index) if stats else None)
         if self.device is not None and self.device.type == "cuda":
