@@ -321,5 +321,6 @@ def _scan(top: str, base: str, prefix: str) -> list[SourceFile]:
                     raise SourceError(f"{entry.path}: symlink loop (it leads back to one of its parents)")
                 stack.append((entry.path, rel + "/", ancestors | {key}))
             elif stat.S_ISREG(st.st_mode):
-                out.append(SourceFile(validate_rel(rel), st.st_size, st.st_mtime_ns))
+                # a name from the directory has no "/" or NUL and is never "." or "..": only "\\" is left to refuse
+                out.append(SourceFile(validate_rel(rel) if "\\" in rel else rel, st.st_size, st.st_mtime_ns))
     return out

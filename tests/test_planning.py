@@ -81,3 +81,15 @@ def test_etag_decides_for_objects() -> None:
     base = Manifest.from_entries("s", [Entry("a", 5, 100, "etag1", "xxh3_128:" + "1" * 32)])
     assert make_plan([SourceFile("a", 5, 999, "etag1")], base).up_to_date  # mtime moved, same object
     assert make_plan([SourceFile("a", 5, 100, "etag2")], base).reasons == {"changed": 1}
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_up_to_date_exactly_when_nothing_changed(s: tuple) -> None:
+    """Re-staging takes a one-pass shortcut over the manifest's columns; it must judge as the full plan does."""
+    listing, base, _bad, _inc, _free = s
+    plan = make_plan(listing, base)
+    same = base is not None and set(base.path) == {f.rel for f in listing} and all(
+        base.get(f.rel).same_source(f.size, f.mtime_ns, f.etag) for f in listing)  # type: ignore[union-attr]
+    assert plan.up_to_date == same
+    assert plan.total_files == len(listing) and plan.total_bytes == sum(f.size for f in listing)

@@ -48,3 +48,10 @@ def test_file_url_and_single_file(tmp_path: Path) -> None:
 def test_missing_source(tmp_path: Path) -> None:
     with pytest.raises(SourceNotFoundError):
         Source(str(tmp_path / "nope")).listing()
+
+
+@pytest.mark.parametrize("where", ["dir\\name/f.bin", "d/back\\slash.bin"])
+def test_a_local_name_with_a_backslash_is_refused(tmp_path: Path, where: str) -> None:
+    make_tree(tmp_path / "s", {where: 3, "ok.bin": 1})
+    with pytest.raises(UnsafePathError, match=r"back\\\\slash|dir\\\\name"):
+        Source(str(tmp_path / "s")).listing()
