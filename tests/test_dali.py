@@ -74,7 +74,8 @@ def _both(ds: Any, cfg: dict[str, Any], epochs: int, world: int, rank: int, seed
     return out[0], out[1]
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=int(os.environ.get("DALI_EXAMPLES", "30")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["raw", "npy"]), batch_size=st.integers(1, 9), shuffle=st.booleans(),
        drop_last=st.booleans(), world=st.sampled_from([1, 2, 3]), labels=st.booleans(), generator=st.booleans(),
        threads=st.sampled_from([0, 2]), seed=st.integers(0, 2**16))
