@@ -684,8 +684,56 @@ def bench_dali(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def bench_gds_loader(args: argparse.Namespace) -> dict[str, Any]:
+    """stagingloader's GDS path (backend="gds") against its pinned async copies (backend="torch"), same NVMe rows."""
+    need_cuda()
+    sl = import_stagingloader()
+    from stagingloader.backends.select import cufile
+
+    how, why = cufile()
+    if not how:
+        raise Skip(f"no cuFile for stagingloader's GDS path: {why}")
+    rows, row_bytes, batch = (512, 256 << 10, 32) if args.quick else (4096, 256 << 10, 64)
+    where = nvme_folder(args.nvme_dir, rows * row_bytes + 512 * MiB)
+    folder = Path(tempfile.mkdtemp(prefix="stagingloader-gpu-gdsl-", dir=where["folder"]))
+    try:
+        data = np.frombuffer(np.random.default_rng(5).bytes(rows * row_bytes), dtype=np.float32)
+        np.save(folder / "rows.npy", data.reshape(rows, row_bytes // 4))
+        del data
+        ds = sl.StagedArrays(folder / "rows.npy")
+        out: dict[str, Any] = where | {"rows": rows, "row_kib": row_bytes >> 10, "batch_size": batch, "cufile": how}
+        sums: dict[str, float] = {}
+        for label, kw in (("gds", {"backend": "gds"}), ("torch_pinned_async", {"backend": "torch"}),
+                          ("torch_pinned_async_2_workers", {"backend": "torch", "num_workers": 2})):
+            rates = []
+            for rnd in range(3):
+                if rnd == 0:  # the first pass reads from the disk: the page cache is dropped first
+                    out[f"resident_before_{label}"] = _cold([folder / "rows.npy"])
+                torch.manual_seed(0)
+                loader = sl.DataLoader(ds, batch_size=batch, shuffle=True, device=DEVICE, **kw)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                total = 0.0
+                for b in loader:
+                    total += float(b.double().sum())
+                torch.cuda.synchronize()
+                rates.append(rows / (time.perf_counter() - t0))
+                sums[label] = total
+                out[f"{label}_path"] = loader.stats.path_note
+                getattr(loader, "close", lambda: None)()
+            out[f"{label}_samples_per_s"] = {"cold": rates[0], **best_median(rates[1:])}
+        if len({round(v, 3) for v in sums.values()}) != 1:
+            out["failed"] = f"the paths read different bytes (sums {sums})"
+        out["ratio_gds_torch_cold"] = out["gds_samples_per_s"]["cold"] / out["torch_pinned_async_samples_per_s"]["cold"]
+        out["ratio_gds_torch_warm"] = out["gds_samples_per_s"]["best"] / out["torch_pinned_async_samples_per_s"]["best"]
+        return out
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 MEASUREMENTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "h2d": bench_h2d, "prefetch_overlap": bench_prefetch_overlap, "gds": bench_gds, "dali": bench_dali,
+    "h2d": bench_h2d, "prefetch_overlap": bench_prefetch_overlap, "gds": bench_gds, "gds_loader": bench_gds_loader,
+    "dali": bench_dali,
 }
 
 
@@ -712,6 +760,11 @@ def table_rows(name: str, r: dict[str, Any]) -> list[tuple[str, str, float, floa
             rows.append(("gds whole file", "GB/s cold: GdsFile / np.load+.to", r["gds_whole_file"], r["numpy"],
                          r["ratio_gds_whole_file_numpy"]))
         return rows
+    if name == "gds_loader":
+        return [("gds loader cold", "samples/s: backend gds / torch", r["gds_samples_per_s"]["cold"],
+                 r["torch_pinned_async_samples_per_s"]["cold"], r["ratio_gds_torch_cold"]),
+                ("gds loader warm", "samples/s: backend gds / torch", r["gds_samples_per_s"]["best"],
+                 r["torch_pinned_async_samples_per_s"]["best"], r["ratio_gds_torch_warm"])]
     if name == "dali":
         return [("dali", "samples/s: stagingloader / DALI", r["stagingloader_samples_per_s"]["best"],
                  r["dali_samples_per_s"]["best"], r["ratio_stagingloader_dali"])]
