@@ -7,6 +7,15 @@ unhashed range of a large file always holds a slot.  Each file's xxh3-128 digest
 in order from the bytes as they stream through (ranges finishing early wait, buffered, for
 their turn), so the source is read once.  A range's own digest goes to a ``.ranges`` journal
 so that a killed copy resumes from its finished ranges.
+
+Small files from a local path pass a *gate* (:class:`_Gate`) that decides how many batches of
+them copy at once.  Python holds the GIL for much of a small file's copy: when the source
+answers at once (page cache, a fast local disk) more threads only fight over it (measured on 2
+cores: 200,000 x 4 KiB in 8.5 s with one thread, 18.9 s with four), while a source that makes a
+thread wait (a network file system, a cold disk) needs the threads to overlap the waits.  So the
+first batches run one at a time, timing themselves; as long as they keep the CPU busy the gate
+stays at one.  When a window of them spent most of its time waiting, every thread gets a trial
+window, and keeps going only if the files came faster.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -100,6 +110,74 @@ class _Slots:
         return buf if buf is not None else bytearray(self.size)
 
 
+class _Gate:
+    """How many batches of small files copy at once: one while they keep the CPU busy, all threads while
+    they wait on the source and more threads actually copy faster."""
+
+    WINDOW = 8  #: batches per measurement
+    WAITING = 0.5  #: CPU time under this share of the batches' wall time: they wait on the source
+    GAIN = 1.2  #: a trial with every thread must copy files this much faster than one thread did
+    HOLD = 16  #: windows to stay at one thread after a trial that did not pay
+
+    def __init__(self, workers: int, adaptive: bool, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.workers = workers
+        self.adaptive = adaptive and workers > 1
+        self.limit = 1 if self.adaptive else workers
+        self.running = 0
+        self.cond = threading.Condition()
+        self._clock = clock
+        self._t0 = clock()
+        self._cpu = self._wall = 0.0
+        self._batches = self._files = 0
+        self._rate_one = 0.0  #: files/s of the last window at one thread
+        self._trial = False
+        self._hold = 0
+
+    def enter(self, stop: threading.Event) -> bool:
+        """Wait for a place; False if ``stop`` was set meanwhile."""
+        with self.cond:
+            while self.running >= self.limit:
+                if stop.is_set():
+                    return False
+                self.cond.wait(0.1)
+            self.running += 1
+            return True
+
+    def leave(self, files: int, cpu_s: float, wall_s: float) -> None:
+        """A batch of ``files`` finished, having used ``cpu_s`` of CPU time over ``wall_s``."""
+        with self.cond:
+            self.running -= 1
+            if self.adaptive:
+                self._cpu += cpu_s
+                self._wall += wall_s
+                self._batches += 1
+                self._files += files
+                if self._batches >= self.WINDOW:
+                    self._judge()
+            self.cond.notify_all()
+
+    def _judge(self) -> None:
+        now = self._clock()
+        rate = self._files / max(now - self._t0, 1e-9)
+        if self.limit == 1:
+            self._rate_one = rate
+            if self._hold:
+                self._hold -= 1
+            elif self._cpu < self.WAITING * self._wall:
+                log.debug("small files wait on the source (CPU %.0f%% of the time): trying %d threads",
+                          100 * self._cpu / self._wall, self.workers)
+                self.limit, self._trial = self.workers, True
+        elif self._trial:
+            self._trial = False
+            if rate < self.GAIN * self._rate_one:
+                log.debug("%d threads copied %.0f files/s against %.0f with one: back to one",
+                          self.workers, rate, self._rate_one)
+                self.limit, self._hold = 1, self.HOLD
+        self._t0 = now
+        self._cpu = self._wall = 0.0
+        self._batches = self._files = 0
+
+
 class _LargeFile:
     """Shared state of one large file copied by ranges."""
 
@@ -139,6 +217,7 @@ class Copier:
         self._names = itertools.count()  # temp names: unique within this run, and .partial is swept at resume
         self._partial = f"{incoming.partial}/{os.getpid()}-"
         self._data = str(incoming.data)
+        self._gate = _Gate(settings.workers, adaptive=source.is_local)
 
     # ---- driver ----------------------------------------------------------------------------
     def run(self, files: Sequence[SourceFile]) -> None:
@@ -193,7 +272,13 @@ class Copier:
             if self.stop.is_set():
                 return
             if task[0] == "files":
-                buf = self._copy_batch(task[1], slots, buf)
+                if not self._gate.enter(self.stop):
+                    return
+                cpu, wall = time.thread_time(), time.perf_counter()
+                try:
+                    buf = self._copy_batch(task[1], slots, buf)
+                finally:
+                    self._gate.leave(len(task[1]), time.thread_time() - cpu, time.perf_counter() - wall)
             else:
                 lf, offset, length = task[1:]
                 view, buf = self._fetch_range(lf, offset, length, slots, buf)
