@@ -11,11 +11,10 @@ so that a killed copy resumes from its finished ranges.
 Small files from a local path pass a *gate* (:class:`_Gate`) that decides how many batches of
 them copy at once.  Python holds the GIL for much of a small file's copy: when the source
 answers at once (page cache, a fast local disk) more threads only fight over it (measured on 2
-cores: 200,000 x 4 KiB in 8.5 s with one thread, 18.9 s with four), while a source that makes a
-thread wait (a network file system, a cold disk) needs the threads to overlap the waits.  So the
-first batches run one at a time, timing themselves; as long as they keep the CPU busy the gate
-stays at one.  When a window of them spent most of its time waiting, every thread gets a trial
-window, and keeps going only if the files came faster.
+cores: 200,000 x 4 KiB in 8.5 s with one thread, 18.9 s with four), while a source or target
+that makes a thread wait (a network file system, a cold disk, fsync on a disk) needs the threads
+to overlap the waits.  So the gate times windows of batches and tries one thread against all of
+them from time to time, keeping whichever copies files faster.
 """
 
 from __future__ import annotations
@@ -111,13 +110,16 @@ class _Slots:
 
 
 class _Gate:
-    """How many batches of small files copy at once: one while they keep the CPU busy, all threads while
-    they wait on the source and more threads actually copy faster."""
+    """How many batches of small files copy at once: one thread or all of them, whichever copies faster.
+
+    It keeps a *settled* limit and times windows of batches under it; now and then it tries the other
+    limit for one window and settles there if files came faster by ``GAIN``.  Failed trials come less
+    and less often (after 2, 4, ... ``MAX_WAIT`` windows), so a steady source costs a trial now and then.
+    """
 
     WINDOW = 8  #: batches per measurement
-    WAITING = 0.5  #: CPU time under this share of the batches' wall time: they wait on the source
-    GAIN = 1.2  #: a trial with every thread must copy files this much faster than one thread did
-    HOLD = 16  #: windows to stay at one thread after a trial that did not pay
+    GAIN = 1.15  #: how much faster a trial must copy to be kept
+    MAX_WAIT = 64  #: the most windows between trials
 
     def __init__(self, workers: int, adaptive: bool, clock: Callable[[], float] = time.perf_counter) -> None:
         self.workers = workers
@@ -127,11 +129,12 @@ class _Gate:
         self.cond = threading.Condition()
         self._clock = clock
         self._t0 = clock()
-        self._cpu = self._wall = 0.0
         self._batches = self._files = 0
-        self._rate_one = 0.0  #: files/s of the last window at one thread
+        self._settled = self.limit
+        self._rate = 0.0  #: files/s of the last window at the settled limit
         self._trial = False
-        self._hold = 0
+        self._wait = 1  #: windows before the next trial
+        self._countdown = 1
 
     def enter(self, stop: threading.Event) -> bool:
         """Wait for a place; False if ``stop`` was set meanwhile."""
@@ -143,13 +146,11 @@ class _Gate:
             self.running += 1
             return True
 
-    def leave(self, files: int, cpu_s: float, wall_s: float) -> None:
-        """A batch of ``files`` finished, having used ``cpu_s`` of CPU time over ``wall_s``."""
+    def leave(self, files: int) -> None:
+        """A batch of ``files`` finished."""
         with self.cond:
             self.running -= 1
             if self.adaptive:
-                self._cpu += cpu_s
-                self._wall += wall_s
                 self._batches += 1
                 self._files += files
                 if self._batches >= self.WINDOW:
@@ -159,22 +160,22 @@ class _Gate:
     def _judge(self) -> None:
         now = self._clock()
         rate = self._files / max(now - self._t0, 1e-9)
-        if self.limit == 1:
-            self._rate_one = rate
-            if self._hold:
-                self._hold -= 1
-            elif self._cpu < self.WAITING * self._wall:
-                log.debug("small files wait on the source (CPU %.0f%% of the time): trying %d threads",
-                          100 * self._cpu / self._wall, self.workers)
-                self.limit, self._trial = self.workers, True
-        elif self._trial:
+        if self._trial:
             self._trial = False
-            if rate < self.GAIN * self._rate_one:
-                log.debug("%d threads copied %.0f files/s against %.0f with one: back to one",
-                          self.workers, rate, self._rate_one)
-                self.limit, self._hold = 1, self.HOLD
+            if rate > self.GAIN * self._rate:
+                log.debug("small files: %d at a time copy %.0f files/s against %.0f with %d: keeping %d",
+                          self.limit, rate, self._rate, self._settled, self.limit)
+                self._settled, self._rate, self._wait = self.limit, rate, 8
+            else:
+                self.limit, self._wait = self._settled, min(2 * self._wait, self.MAX_WAIT)
+            self._countdown = self._wait
+        else:
+            self._rate = rate
+            self._countdown -= 1
+            if self._countdown <= 0:
+                self._trial = True
+                self.limit = 1 if self._settled > 1 else self.workers
         self._t0 = now
-        self._cpu = self._wall = 0.0
         self._batches = self._files = 0
 
 
@@ -274,11 +275,10 @@ class Copier:
             if task[0] == "files":
                 if not self._gate.enter(self.stop):
                     return
-                cpu, wall = time.thread_time(), time.perf_counter()
                 try:
                     buf = self._copy_batch(task[1], slots, buf)
                 finally:
-                    self._gate.leave(len(task[1]), time.thread_time() - cpu, time.perf_counter() - wall)
+                    self._gate.leave(len(task[1]))
             else:
                 lf, offset, length = task[1:]
                 view, buf = self._fetch_range(lf, offset, length, slots, buf)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections.abc import Callable
 
 from stagingloader.copying import _Gate
 
@@ -15,49 +17,63 @@ class Clock:
         return self.t
 
 
-def _window(gate: _Gate, clock: Clock, *, seconds: float, cpu_share: float, files: int = 64) -> None:
-    """One window of batches taking ``seconds`` in all, each busy on the CPU for ``cpu_share`` of its time."""
+def _run(gate: _Gate, clock: Clock, windows: int, seconds_at: Callable[[int], float]) -> list[int]:
+    """``windows`` windows of 64-file batches, each window taking ``seconds_at(limit)``; the limit of each."""
     stop = threading.Event()
-    per = seconds / gate.WINDOW
-    for _ in range(gate.WINDOW):
-        assert gate.enter(stop)
-        clock.t += per
-        gate.leave(files, cpu_share * per, per)
+    limits = []
+    for _ in range(windows):
+        limits.append(gate.limit)
+        per = seconds_at(gate.limit) / gate.WINDOW
+        for _ in range(gate.WINDOW):
+            assert gate.enter(stop)
+            clock.t += per
+            gate.leave(64)
+    return limits
 
 
-def test_batches_that_keep_the_cpu_busy_stay_one_at_a_time() -> None:
+def test_where_one_thread_is_fastest_it_stays_there_with_fewer_and_fewer_trials() -> None:
     clock = Clock()
     gate = _Gate(4, adaptive=True, clock=clock)
-    assert gate.limit == 1
-    for _ in range(10):
-        _window(gate, clock, seconds=1.0, cpu_share=0.9)
-    assert gate.limit == 1
+    limits = _run(gate, clock, 200, lambda limit: 1.0 if limit == 1 else 2.0)  # the GIL fight: 4 threads slower
+    assert limits[0] == 1 and gate.limit == 1
+    trials = [i for i, lim in enumerate(limits) if lim == 4]
+    assert trials[0] == 1  # the first trial comes early
+    gaps = [b - a for a, b in itertools.pairwise(trials)]
+    assert gaps == sorted(gaps) and gaps[-1] == gate.MAX_WAIT + 1  # then less and less often
+    assert len(trials) <= 10  # 5 % of the windows
 
 
-def test_waiting_batches_get_every_thread_when_that_pays() -> None:
+def test_where_threads_overlap_waits_it_takes_them_all() -> None:
     clock = Clock()
     gate = _Gate(4, adaptive=True, clock=clock)
-    _window(gate, clock, seconds=1.0, cpu_share=0.1)  # waiting on a slow source
-    assert gate.limit == 4
-    _window(gate, clock, seconds=0.3, cpu_share=0.1)  # the trial: the same files 3.3x faster
-    assert gate.limit == 4
-    for _ in range(5):
-        _window(gate, clock, seconds=1.0, cpu_share=0.9)  # once it paid, it stays open
+    limits = _run(gate, clock, 50, lambda limit: 3.0 if limit == 1 else 1.0)  # a slow source: waits overlap
+    assert limits[:3] == [1, 4, 4]
+    assert limits.count(1) <= 1 + 5  # the first window, then an occasional trial of one
     assert gate.limit == 4
 
 
-def test_a_trial_that_does_not_pay_goes_back_to_one_and_waits() -> None:
+def test_it_follows_a_source_that_changes() -> None:
     clock = Clock()
     gate = _Gate(4, adaptive=True, clock=clock)
-    _window(gate, clock, seconds=1.0, cpu_share=0.3)  # a dip (another process took the CPU)
+    slow = {"on": True}
+
+    def seconds(limit: int) -> float:  # cold at first (waits), then warm (CPU-bound)
+        if slow["on"]:
+            return 3.0 if limit == 1 else 1.0
+        return 1.0 if limit == 1 else 2.0
+
+    _run(gate, clock, 20, seconds)
     assert gate.limit == 4
-    _window(gate, clock, seconds=1.0, cpu_share=0.3)  # four threads, no faster
+    slow["on"] = False
+    limits = _run(gate, clock, 40, seconds)
+    assert gate.limit == 1 and limits[-10:].count(1) >= 9
+
+
+def test_a_small_gain_is_noise_and_not_taken() -> None:
+    clock = Clock()
+    gate = _Gate(4, adaptive=True, clock=clock)
+    _run(gate, clock, 30, lambda limit: 1.0 if limit == 1 else 0.95)  # 5 % faster: under GAIN
     assert gate.limit == 1
-    for _ in range(gate.HOLD):
-        _window(gate, clock, seconds=1.0, cpu_share=0.3)
-        assert gate.limit == 1  # held at one for a while
-    _window(gate, clock, seconds=1.0, cpu_share=0.3)
-    assert gate.limit == 4  # then tried again
 
 
 def test_remote_sources_and_one_worker_are_not_gated() -> None:
