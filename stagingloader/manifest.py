@@ -26,7 +26,7 @@ SOURCE_MANIFEST_NAME = ".stagingloader-manifest.json"
 COLUMNS = ("path", "size", "mtime_ns", "etag", "digest")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Entry:
     """One file: where it is, how big, its source fingerprint (mtime_ns, etag) and its digest."""
 
