@@ -3,6 +3,7 @@ for one that cannot work."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -104,3 +105,42 @@ def test_a_cuda_device_without_cuda_is_one_clear_error(disk_rows: sl.StagedArray
         ds = sl.StagedFiles(tmp_path)
     with pytest.raises(sl.UsageError, match=r"device='cuda', but CUDA is not available here .*leave device= out"):
         sl.DataLoader(ds, batch_size=2, device="cuda", backend=backend)
+
+
+def test_gds_reads_each_sample_at_the_right_place(tmp_path: Path) -> None:
+    """Where the GDS path reads each sample (file, byte offset) gives the torch path's bytes, read here with pread."""
+    from stagingloader.backends.gds import _Layout
+
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((7, 3, 5)).astype(np.float32), rng.standard_normal((4, 3, 5)).astype(np.float32)
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    (tmp_path / "files").mkdir()
+    for i in range(6):
+        np.save(tmp_path / "files" / f"{i}.npy", np.full((2, 2), i, dtype=np.int64))
+        (tmp_path / f"raw{i}.bin").write_bytes(bytes([i]) * 24)
+    rows = np.concatenate([a, b])
+    cases = [
+        (sl.StagedArrays([tmp_path / "a.npy", tmp_path / "b.npy"]), [r.tobytes() for r in rows]),
+        (sl.StagedFiles(tmp_path / "files", decode="npy", labels=False),
+         [np.full((2, 2), i, dtype=np.int64).tobytes() for i in range(6)]),
+        (sl.StagedFiles(tmp_path, include=(".bin",), labels=False), [bytes([i]) * 24 for i in range(6)]),
+    ]
+    for ds, want in cases:
+        lay = _Layout(ds)
+        assert lay.nbytes == len(want[0])
+        for i, expected in enumerate(want):
+            path, offset = lay.where(i)
+            with open(path, "rb") as f:
+                assert os.pread(f.fileno(), lay.nbytes, offset) == expected, (type(ds).__name__, i)
+
+
+def test_gds_refuses_npy_files_of_another_shape(tmp_path: Path) -> None:
+    from stagingloader.backends.gds import _Layout
+
+    np.save(tmp_path / "0.npy", np.zeros((2, 2), dtype=np.float32))
+    np.save(tmp_path / "1.npy", np.zeros((4,), dtype=np.float32))  # same size, other shape
+    lay = _Layout(sl.StagedFiles(tmp_path, decode="npy"))
+    assert lay.where(0)[1] == 128
+    with pytest.raises(sl.UsageError, match=r"1\.npy: its array differs in shape or dtype"):
+        lay.where(1)
