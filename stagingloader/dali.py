@@ -4,6 +4,6 @@
 ``stagingloader.DataLoader(..., backend="dali")`` builds; see :mod:`stagingloader.backends.dali`.
 """
 
-from .backends.dali import DALILoader, dali_available
+from .backends.dali import DALILoader
 
-__all__ = ["DALILoader", "dali_available"]
+__all__ = ["DALILoader"]

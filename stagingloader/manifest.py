@@ -26,6 +26,16 @@ SOURCE_MANIFEST_NAME = ".stagingloader-manifest.json"
 COLUMNS = ("path", "size", "mtime_ns", "etag", "digest")
 
 
+def same_source(size: int, mtime_ns: int, etag: str, old_size: int, old_mtime_ns: int, old_etag: str) -> bool:
+    """Does a listing entry with this fingerprint describe the same source bytes as the recorded one?
+    Sizes must match; then the etag decides where either side has one, else the mtime."""
+    if size != old_size:
+        return False
+    if etag or old_etag:
+        return etag == old_etag
+    return mtime_ns == old_mtime_ns
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One file: where it is, how big, its source fingerprint (mtime_ns, etag) and its digest."""
@@ -38,11 +48,7 @@ class Entry:
 
     def same_source(self, size: int, mtime_ns: int, etag: str) -> bool:
         """Does a listing entry with this fingerprint describe the same source bytes?"""
-        if size != self.size:
-            return False
-        if etag or self.etag:
-            return etag == self.etag
-        return mtime_ns == self.mtime_ns
+        return same_source(size, mtime_ns, etag, self.size, self.mtime_ns, self.etag)
 
 
 @dataclass

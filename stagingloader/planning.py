@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .manifest import Entry, Manifest
+from .manifest import Entry, Manifest, same_source
 from .sources import SourceFile
 
 #: Why a file is copied.
@@ -61,11 +61,11 @@ class Plan:
 
 def _unchanged(listing: Sequence[SourceFile], base: Manifest) -> bool:
     """The common re-stage, checked in one pass over the columns: the same files, in the same order,
-    with the same fingerprints (as :meth:`Entry.same_source` judges them), and nothing else."""
+    with the same fingerprints, and nothing else."""
     if len(listing) != len(base.path):
         return False
     for f, path, size, mtime_ns, etag in zip(listing, base.path, base.size, base.mtime_ns, base.etag):
-        if f.rel != path or f.size != size or ((f.etag != etag) if (f.etag or etag) else (f.mtime_ns != mtime_ns)):
+        if f.rel != path or not same_source(f.size, f.mtime_ns, f.etag, size, mtime_ns, etag):
             return False
     return True
 

@@ -41,14 +41,6 @@ def import_dali() -> Any:
     return nvidia.dali
 
 
-def dali_available() -> bool:
-    try:
-        import_dali()
-    except MissingDependencyError:
-        return False
-    return True
-
-
 class DALILoader(IndexedLoader):
     """``DataLoader(..., backend="dali")``: DALI reads, torch's order, torch tensors out.
 
@@ -80,7 +72,6 @@ class DALILoader(IndexedLoader):
             raise UsageError("backend='dali' decodes inside the pipeline: give StagedFiles no decode function or "
                              "transform, and pass DALI operators as process= instead")
         super().__init__(dataset, *args, **kwargs)
-        self._dali = dali
         self._npy = dataset.decode == "npy"
         sizes = dataset._sizes
         self.ragged = bool(ragged) if ragged is not None else bool(process is None and len(set(sizes.tolist())) > 1)
@@ -158,18 +149,15 @@ class DALILoader(IndexedLoader):
             self._release()
             self._pipe = self._build(order, self._seed())
             self._pipe_order = order
-            it = self._iterator(self._pipe, self._pipe.num_outputs)
-            self._it = it
+            self._it = self._iterator(self._pipe, self._pipe.num_outputs)
         else:
             self._it.reset()  # the same files in the same order as last epoch: run the built pipeline again
         self._reusable = False
-        labels = self.dataset._labels if self.dataset.labels else None
         k = 0
         try:
             for out in self._it:
-                idx = batches[k]
                 k += 1
-                yield self._assemble(out[0], idx, labels)
+                yield self._assemble(out[0], batches[k - 1])
         except RuntimeError as e:
             if "representable as a tensor" in str(e) or "uniform" in str(e):
                 raise UsageError("the samples of a batch differ in shape: pass ragged=True to get each batch as a "
@@ -179,17 +167,11 @@ class DALILoader(IndexedLoader):
             raise RuntimeError(f"DALI yielded {k} batches for an epoch of {len(batches)}")
         self._reusable = True
 
-    def _assemble(self, out: dict[str, Any], idx: np.ndarray, labels: np.ndarray | None) -> Any:
+    def _assemble(self, out: dict[str, Any], idx: np.ndarray) -> Any:
         datas = [out[f"out{k}"] for k in range(len(out))]
-        if self.ragged:
-            datas = [[t.reshape(-1) if t.dim() == 0 else t for t in d] for d in datas]
         data = datas[0] if len(datas) == 1 else tuple(datas)
-        if labels is None:
-            return data
-        lab = torch.from_numpy(labels[idx])
-        if self.device is not None and self.device.type == "cuda":
-            lab = lab.to(self.device, non_blocking=True)
-        return [data, lab]
+        labels = self._labels(idx)
+        return data if labels is None else [data, labels]
 
     def _seed(self) -> int:
         """DALI's seed for random operators in process=: from the torch seed and the epoch, drawing nothing."""

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import MissingDependencyError, UsageError
+from ..errors import UsageError
 from .order import IndexedLoader
-from .select import GDS_INSTALL, cufile, gds_blocker
+from .select import require_gds
 
 OPEN_FILES = 64  # cuFile handles kept open (registering one costs a syscall and a driver call)
 
@@ -138,25 +138,12 @@ class GdsLoader(IndexedLoader):
 
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
-        blocker = gds_blocker(dataset, self.device, need_cufile=False)
-        if blocker:
-            raise UsageError(f"backend='gds' cannot work here: {blocker}; backend='auto' takes the best path that "
-                             "works here")
-        how, why = cufile()
-        if not how:
-            raise MissingDependencyError(f"backend='gds' needs cuFile: {why}. {GDS_INSTALL}")
-        self._how = how
+        how = self._how = require_gds(dataset, self.device)
         self._layout = _Layout(dataset)
         self._reader: Any = None
         self._lock = threading.Lock()
         self._note(f"GPUDirect Storage via {how}: {len(dataset)} samples of {self._layout.nbytes} bytes read from "
                    f"disk straight into {self.device}, one batch ahead")
-
-    def _labels(self, idx: np.ndarray) -> torch.Tensor | None:
-        labels = getattr(self.dataset, "_labels", None)
-        if labels is None or getattr(self.dataset, "labels", True) is False:
-            return None
-        return torch.from_numpy(np.asarray(labels)[idx]).to(self.device, non_blocking=True)
 
     def _load(self, idx: np.ndarray) -> Any:
         with self._lock, torch.cuda.device(self.device):

@@ -8,6 +8,7 @@ only has to read those batches (:meth:`IndexedLoader._read`).
 
 from __future__ import annotations
 
+import abc
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -18,6 +19,7 @@ import torch
 import torch.utils.data as tud
 
 from ..errors import UsageError
+from ..loader.dataloader import _node_sampler, _RngState, pass_epoch, resolve_device, saved_batches
 from ..loader.iterator import _batch_size, _nbytes
 from ..loader.stats import GpuSampler, LoaderStats
 
@@ -57,7 +59,7 @@ def _rank_sampler(dataset: Any, rank: int | None, world_size: int | None, sample
     return tud.DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=bool(shuffle), seed=seed), None
 
 
-class IndexedLoader:
+class IndexedLoader(abc.ABC):
     """Iterates like ``torch.utils.data.DataLoader`` over batches a backend reads itself.
 
     Takes torch's DataLoader arguments (positionally too) so ``stagingloader.DataLoader(...,
@@ -94,8 +96,6 @@ class IndexedLoader:
         if batch_size is None or int(batch_size) < 1:
             raise UsageError(f"{name} needs batch_size >= 1, not {batch_size!r}")
         if shard is not None:
-            from ..loader.dataloader import _node_sampler
-
             sampler, shuffle = _node_sampler(dataset, shard, sampler, None, shuffle, generator)
         if rank is not None or world_size is not None:
             sampler, shuffle = _rank_sampler(dataset, rank, world_size, sampler, shuffle, seed)
@@ -110,8 +110,6 @@ class IndexedLoader:
                                      collate_fn=_as_array)
         self.sampler = self._order.sampler
         self.batch_sampler = self._order.batch_sampler
-        from ..loader.dataloader import resolve_device
-
         self.device = resolve_device(device)
         gpu = self.device.index if self.device is not None and self.device.type == "cuda" else None
         self.stats = LoaderStats("", GpuSampler(gpu) if stats else None)
@@ -122,19 +120,27 @@ class IndexedLoader:
         self._pre_rng: Any = None
         self._iterating = False
         self._yielded = 0
+        # labels, as torch's default collation gives them: StagedFiles(labels=True), StagedArrays(labels=...)
+        self._label_table: np.ndarray | None = getattr(dataset, "_labels", None) \
+            if getattr(dataset, "labels", True) is not False else None
 
     # ---- what a backend provides -------------------------------------------------------------
+    @abc.abstractmethod
     def _read(self, batches: list[np.ndarray]) -> Iterator[Any]:
         """Yield the batches for these batches of indices, in order."""
-        raise NotImplementedError
+
+    def _labels(self, idx: np.ndarray) -> torch.Tensor | None:
+        """The labels of these samples as a tensor on the loader's device, or None without labels."""
+        if self._label_table is None:
+            return None
+        lab = torch.from_numpy(np.asarray(self._label_table)[idx])
+        return lab.to(self.device, non_blocking=True) if self.device is not None else lab
 
     # ---- torch's interface ---------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._order)
 
     def __iter__(self) -> _EpochIter:
-        from ..loader.dataloader import _RngState
-
         if self._resume_rng is not None:
             self._resume_rng.restore()
             self._resume_rng = None
@@ -145,8 +151,6 @@ class IndexedLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Pass the epoch to every sampler and dataset that takes one (DistributedSampler...)."""
-        from ..loader.dataloader import pass_epoch
-
         self.epoch = epoch
         pass_epoch(epoch, self.sampler, self.dataset)
 
@@ -159,8 +163,6 @@ class IndexedLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next ``iter(loader)`` continue the saved epoch where it stopped."""
-        from ..loader.dataloader import _RngState, saved_batches
-
         k = saved_batches(state)
         self.epoch = int(state["epoch"])
         if k is None:
@@ -169,6 +171,7 @@ class IndexedLoader:
         if state.get("rng_before_epoch") is not None:
             self._resume_rng = _RngState.from_dict(self._order, state["rng_before_epoch"])  # type: ignore[arg-type]
 
+    @abc.abstractmethod
     def close(self) -> None:
         """Release what the backend holds (pipelines, file handles)."""
 

@@ -55,11 +55,6 @@ def cufile() -> tuple[str, str]:
     return "", "NVIDIA's cuFile library (libcufile.so) is not installed"
 
 
-def _root_of(dataset: Any) -> str | None:
-    root = getattr(dataset, "root", None) or (getattr(dataset, "paths", None) or [None])[0]
-    return None if root is None else str(root)
-
-
 def gds_eligible(dataset: Any) -> str:
     """Why GDS cannot read this dataset's samples as they are, or "" if it can."""
     from ..loader.datasets import StagedArrays, StagedFiles
@@ -77,11 +72,12 @@ def gds_eligible(dataset: Any) -> str:
 
 def gds_blocker(dataset: Any, device: torch.device | None, need_cufile: bool = True) -> str:
     """Why GPUDirect Storage cannot feed this dataset to this device, or "" if it can."""
+    from ..loader.datasets import root_of
     from ..storage import mount_of
 
     if device is None or device.type != "cuda":
         return "GDS reads into GPU memory and no CUDA device was asked for (device='cuda')"
-    root = _root_of(dataset)
+    root = root_of(dataset)
     if root is None:
         return "the dataset has no files on disk"
     m = mount_of(root)
@@ -113,18 +109,24 @@ def choose(requested: str, dataset: Any, device: str | torch.device | None) -> C
         return Choice("dali", "DALI pipeline")
     if requested == "torch":
         return Choice("torch", _torch_note(dev, "backend='torch'"))
-    blocker = gds_blocker(dataset, dev, need_cufile=False)
-    how, why = cufile() if not blocker else ("", "")
     if requested == "gds":
-        if blocker:
-            raise UsageError(f"backend='gds' cannot work here: {blocker}; "
-                             "backend='auto' takes the best path that works here")
-        if not how:
-            raise MissingDependencyError(f"backend='gds' needs cuFile: {why}. {GDS_INSTALL}")
-        return Choice("gds", f"GPUDirect Storage via {how}: reads go straight from disk to {dev}")
-    if not blocker and how:
-        return Choice("gds", f"GPUDirect Storage via {how}: reads go straight from disk to {dev}")
-    return Choice("torch", _torch_note(dev, blocker or why))
+        return Choice("gds", f"GPUDirect Storage via {require_gds(dataset, dev)}")
+    blocker = gds_blocker(dataset, dev)
+    if not blocker:
+        return Choice("gds", f"GPUDirect Storage via {cufile()[0]}")
+    return Choice("torch", _torch_note(dev, blocker))
+
+
+def require_gds(dataset: Any, device: torch.device | None) -> str:
+    """How cuFile is reached for ``backend='gds'``; raises, with the reason, where it cannot work."""
+    blocker = gds_blocker(dataset, device, need_cufile=False)
+    if blocker:
+        raise UsageError(f"backend='gds' cannot work here: {blocker}; backend='auto' takes the best path that "
+                         "works here")
+    how, why = cufile()
+    if not how:
+        raise MissingDependencyError(f"backend='gds' needs cuFile: {why}. {GDS_INSTALL}")
+    return how
 
 
 def _torch_note(dev: torch.device | None, why: str) -> str:

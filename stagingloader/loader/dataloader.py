@@ -247,6 +247,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                  shard: str | None = None, backend: str = "auto") -> None:
         from .datasets import StagedArrays, StagedFiles
 
+        dev = resolve_device(device)
         if shard is not None:
             sampler, shuffle = _node_sampler(dataset, shard, sampler, batch_sampler, shuffle, generator)
 
@@ -260,7 +261,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         if ours:
             dataset.clock = clock
             dataset.slots = None
-            dataset.pin = device is not None and torch.device(device).type == "cuda"
+            dataset.pin = dev is not None and dev.type == "cuda"
             if workers and (collate_fn is None or collate_fn is tud.default_collate):
                 dataset.slots = SlotPool(workers, (prefetch_factor or 2) + 2)
         auto = batch_sampler is not None or batch_size is not None
@@ -271,14 +272,12 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                          pin_memory_device=pin_memory_device, in_order=in_order)
         self.user_collate_fn = collate_fn
         self.clock = clock
-        self.device = resolve_device(device)
+        self.device = dev
         self.readahead = max(0, int(readahead))
-        gpu_index = None
-        if self.device is not None and self.device.type == "cuda":
-            gpu_index = self.device.index
+        cuda = dev is not None and dev.type == "cuda"
         self.stats = LoaderStats(self.__dict__.get("_choice_note", "host memory"),
-                                 GpuSampler(gpu_index) if stats else None)
-        if self.device is not None and self.device.type == "cuda":
+                                 GpuSampler(dev.index if cuda and dev is not None else None) if stats else None)
+        if cuda:
             log.info("DataLoader: %s", self.stats.path_note)
         self.epoch = 0
         self._hints = ours and self._on_disk_tier(dataset)
@@ -390,6 +389,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     @staticmethod
     def _on_disk_tier(dataset: Any) -> bool:
         from ..storage import mount_of
+        from .datasets import root_of
 
-        root = getattr(dataset, "root", None) or (getattr(dataset, "paths", None) or [None])[0]
-        return root is not None and not mount_of(str(root)).is_memory
+        root = root_of(dataset)
+        return root is not None and not mount_of(root).is_memory

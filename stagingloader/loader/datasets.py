@@ -21,7 +21,7 @@ from torch.utils.data import Dataset, get_worker_info
 from ..dataset import StagedDataset
 from ..layout import DatasetDir, find_dataset_dir
 from .collate import GatheredBatch
-from .slots import FREE, SlotPool
+from .slots import SlotPool
 from .stats import DECODE_S, READ_BYTES, READ_S, WorkerClock
 
 
@@ -100,11 +100,18 @@ def _resolve(staged: StagedDataset | str | os.PathLike[str]) -> tuple[Path, list
     return path, [rels[i] for i in order], [sizes[i] for i in order]
 
 
+def root_of(dataset: Any) -> str | None:
+    """The folder (StagedFiles) or first file (StagedArrays) a dataset reads, if it reads files."""
+    root = getattr(dataset, "root", None) or (getattr(dataset, "paths", None) or [None])[0]
+    return None if root is None else str(root)
+
+
 class _NpyHead:
     """The header bytes of a ``.npy`` file and what they say."""
 
     def __init__(self, header: bytes, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
         self.header, self.shape, self.dtype = header, shape, dtype
+        self.file_size = len(header) + int(np.prod(shape)) * dtype.itemsize
 
 
 def _load_npy(data: bytes) -> np.ndarray:
@@ -158,6 +165,7 @@ class StagedFiles(Dataset[Any]):
         self.slots: SlotPool | None = None  # set by stagingloader.DataLoader with workers
         self.fadvise = False  # set by the loader on disk tiers: read-ahead hints are useful there
         self.pin = False  # set by the loader when batches go to a GPU: read them into pinned memory
+        self._head: _NpyHead | None = None  # decode="npy": the header the last batch was read with
 
     def __len__(self) -> int:
         return len(self._sizes)
@@ -225,7 +233,7 @@ class StagedFiles(Dataset[Any]):
         sizes = self._sizes[idx]
         stackable = self.decode in ("array", "npy") and self.transform is None and len(idx) and \
             (sizes == sizes[0]).all()
-        head = self._npy_head(int(idx[0])) if stackable and self.decode == "npy" else None
+        head = self._batch_head(int(idx[0]), int(sizes[0])) if stackable and self.decode == "npy" else None
         if not stackable or (self.decode == "npy" and head is None):
             return [self[int(i)] for i in idx]
         t0 = time.perf_counter()
@@ -240,7 +248,8 @@ class StagedFiles(Dataset[Any]):
                 self._read_into(int(i), memoryview(arr[row]))
             elif not self._read_npy_into(int(i), head, memoryview(arr[row]).cast("B")):
                 if slot is not None and self.slots is not None:
-                    self.slots.state[slot] = FREE
+                    self.slots.release(*slot, None)
+                self._head = None
                 return [self[int(i)] for i in idx]  # a header differs from the first: decode one by one
         if self.clock is not None:
             self.clock.add(READ_S, time.perf_counter() - t0)
@@ -249,6 +258,13 @@ class StagedFiles(Dataset[Any]):
             return _LazyBatch(len(idx), lambda k: arr[k].copy(), out, slot)
         labels = self._labels[idx]
         return _LazyBatch(len(idx), lambda k: (arr[k].copy(), int(labels[k])), [out, torch.from_numpy(labels)], slot)
+
+    def _batch_head(self, i: int, size: int) -> _NpyHead | None:
+        """The header to read a batch of ``size``-byte ``.npy`` files with: the last batch's if it fits, else
+        file ``i``'s (each file's own header is still compared as it is read)."""
+        if self._head is None or self._head.file_size != size:
+            self._head = self._npy_head(i)
+        return self._head
 
     def _npy_head(self, i: int) -> _NpyHead | None:
         """The header of file ``i`` when it is a C-ordered ``.npy`` whose payload can be read as is."""
@@ -264,9 +280,10 @@ class StagedFiles(Dataset[Any]):
             offset = f.tell()
             f.seek(0)
             header = f.read(offset)
-        if fortran or dtype.hasobject or not shape or offset + int(np.prod(shape)) * dtype.itemsize != self._sizes[i]:
+        head = _NpyHead(header, tuple(shape), dtype)
+        if fortran or dtype.hasobject or not shape or head.file_size != self._sizes[i]:
             return None
-        return _NpyHead(header, tuple(shape), dtype)
+        return head
 
     def _read_npy_into(self, i: int, head: _NpyHead, view: memoryview) -> bool:
         """Read file ``i``'s payload into ``view``; False if its header is not ``head``'s."""
