@@ -4,6 +4,7 @@ for one that cannot work."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,8 @@ from stagingloader.backends.select import choose, gds_blocker, gds_eligible
 
 
 @pytest.fixture
-def shm_rows() -> sl.StagedArrays:
-    path = Path("/dev/shm") / f"stagingloader-test-{id(object())}.npy"
+def shm_rows() -> Iterator[sl.StagedArrays]:
+    path = Path("/dev/shm") / f"stagingloader-test-{os.getpid()}-{id(object())}.npy"
     np.save(path, np.arange(40, dtype=np.float32).reshape(10, 4))
     yield sl.StagedArrays(path)
     path.unlink()
