@@ -101,3 +101,23 @@ class DatasetNotFoundError(StagingError, LookupError):
     """No staged dataset matches the path or source given."""
 
     exit_code = ExitCode.USAGE
+
+
+class CheckpointError(StagingError):
+    """A checkpoint could not be saved, found, verified or drained (stagingloader.checkpoints)."""
+
+
+class CheckpointNotFoundError(CheckpointError, LookupError):
+    """No complete checkpoint (for the step asked) on any tier."""
+
+    exit_code = ExitCode.USAGE
+
+
+class CheckpointCorruptError(CheckpointError, VerificationError):
+    """A checkpoint's bytes do not match its commit marker on every tier that holds it."""
+
+
+class DrainError(CheckpointError, OSError):
+    """A checkpoint could not be copied to the remote tier within its deadline; names the step and file."""
+
+    exit_code = ExitCode.SOURCE

@@ -1,0 +1,321 @@
+"""``Checkpoints``: save to the node-local tier in seconds, drain to shared or object storage, restore nearest.
+
+    ck = Checkpoints(local="/local_nvme/ckpt/run1", remote="s3://bucket/run1", keep_local=2)
+    ck.save(step, state)                # returns once whole and verified on the local tier
+    ck.save(step, state, async_=True)   # returns once the tensors are copied to reused host buffers
+    state = ck.load()                   # newest complete step, from the nearest copy that verifies
+    ck.wait(); ck.close()               # or `with Checkpoints(...) as ck:`
+
+Saving: ``torch.save`` streams into a temp file in ``local/step-N/`` while every byte is hashed, the file is
+fsynced (not on tmpfs) and renamed, its size checked, then the commit marker is written (atomically).  The
+drain thread then copies the checkpoint to the remote, marker last (see :mod:`.drain`, :mod:`.transfer`), and
+retention keeps the newest ``keep_local``/``keep_remote`` complete steps per tier (:mod:`.retention`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from types import TracebackType
+from typing import IO, Any, cast
+
+from .. import digest as dg
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, NoSpaceError, UsageError
+from ..manifest import Manifest
+from ..storage import free_bytes, human_bytes
+from .drain import Drainer
+from .layout import OBJECT_FILE, marker_for, step_name
+from .restore import candidates, ensure_local
+from .restore import latest as latest_step
+from .retention import steps_to_remove
+from .settings import write_settings
+from .tiers import FolderTier, Tier, Writer, complete_steps, latest_complete, open_tier
+from .transfer import TransferPolicy, copy_step
+
+log = logging.getLogger(__name__)
+
+
+class Checkpoints:
+    """A job's checkpoints on a node-local tier and a remote one; see the module docstring."""
+
+    def __init__(self, local: str | os.PathLike[str], remote: str | None = None, *, keep_local: int = 2,
+                 keep_remote: int | None = None, storage_options: dict[str, Any] | None = None,
+                 fsync: bool | None = None, drain_workers: int = 2, drain_deadline: float = 3600.0,
+                 verify_remote: str = "size", async_buffer_bytes: int | None = None) -> None:
+        if keep_local < 1:
+            raise UsageError(f"keep_local must be at least 1 (the newest checkpoint stays local), not {keep_local}")
+        if keep_remote is not None and keep_remote < 1:
+            raise UsageError(f"keep_remote must be None (keep all) or at least 1, not {keep_remote}")
+        try:
+            self.policy = TransferPolicy(workers=drain_workers, deadline=drain_deadline, verify=verify_remote)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        self.local = FolderTier(os.fspath(local), fsync=fsync)
+        self.local.root.mkdir(parents=True, exist_ok=True)
+        self.local.sweep_temp()
+        options = dict(storage_options or {})
+        self.remote: Tier | None = open_tier(remote, options) if remote else None
+        self.keep_local, self.keep_remote = keep_local, keep_remote
+        write_settings(self.local.url, remote=self.remote.url if self.remote else None, storage_options=options,
+                       keep_remote=keep_remote)
+        self._lock = threading.Lock()
+        self._retention_lock = threading.Lock()
+        self._pinned: Counter[int] = Counter()  # steps being written or read in this process
+        self.drainer = Drainer()  # also runs the DCP steps' marker gathers
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="stagingloader-ckpt-writer")
+        self._inflight: Future[None] | None = None
+        self._snapshot: Any = None
+        self._async_limit = async_buffer_bytes
+        self._closed = False
+        self.dcp_group: Any = None  # torch.distributed group of the DCP drains (see .dcp), made on first use
+
+    # ---- saving -------------------------------------------------------------------------------
+    def save(self, step: int, obj: Any, *, async_: bool = False) -> None:
+        """Save ``obj`` (anything ``torch.save`` takes) as ``step``.
+
+        Returns when the checkpoint is whole, verified and marked complete on the local tier; with
+        ``async_=True``, as soon as its tensors are copied to host buffers (the local write follows in a
+        background thread, one at a time).  Raises the failure of a previous asynchronous write or drain.
+        """
+        self._check_open()
+        name = step_name(step)
+        self._finish_inflight()
+        self.drainer.raise_failures()
+        if self.local.read_marker(step) is not None:
+            raise UsageError(f"{self.local.url}/{name} is already a complete checkpoint; save under a new step")
+        if not async_:
+            with self.pinned(step):
+                self._write_and_commit(step, obj)
+            return
+        from .snapshot import HostSnapshot
+
+        if self._snapshot is None:
+            self._snapshot = HostSnapshot(limit_bytes=self._async_limit)
+        snap = self._snapshot.take(obj)
+        self.pin(step)
+        self._inflight = self._writer.submit(self._write_async, step, snap)
+
+    def _write_async(self, step: int, snap: Any) -> None:
+        try:
+            self._write_and_commit(step, snap)
+        finally:
+            self.unpin(step)
+
+    def _write_and_commit(self, step: int, obj: Any) -> None:
+        import torch
+
+        self.local.remove(step)  # what a killed save of this step left, never complete
+        self.local.step_dir(step).mkdir(parents=True)
+        try:
+            with self.local.writing(step, OBJECT_FILE) as f:
+                w = _HashingWriter(f)
+                torch.save(obj, cast(IO[bytes], w))
+        except OSError as e:
+            self.local.remove(step)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise NoSpaceError(
+                    f"{self.local.url}/{step_name(step)}: the local tier is full ({e.strerror}; "
+                    f"{human_bytes(free_bytes(self.local.root))} free); the newest complete checkpoint is "
+                    "untouched: lower keep_local, or give the local tier more room"
+                ) from e
+            raise
+        size = self.local.size(step, OBJECT_FILE)
+        if size != w.size:
+            raise CheckpointCorruptError(f"{self.local.url}/{step_name(step)}/{OBJECT_FILE}: wrote {w.size} bytes "
+                                         f"but the file holds {size}; the local tier is failing")
+        self.commit(step, marker_for(step, {OBJECT_FILE: (w.size, dg.format_digest(w.hasher))}))
+
+    def commit(self, step: int, marker: Manifest) -> None:
+        """Mark ``step`` complete on the local tier, queue its drain, apply local retention."""
+        self.local.write_marker(step, marker)
+        log.info("checkpoint %s complete on %s (%d files, %d bytes)", step_name(step), self.local.url, len(marker),
+                 marker.total_bytes)
+        if self.remote is not None:
+            remote = self.remote
+
+            def drain(on_bytes: Any) -> None:
+                copy_step(self.local, remote, step, marker, self.policy, stop=self.drainer.stop, on_bytes=on_bytes)
+                log.info("checkpoint %s complete on %s", step_name(step), remote.url)
+                self.apply_retention()
+
+            self.drainer.submit(step, drain)
+        self.apply_retention()
+
+    # ---- retention ----------------------------------------------------------------------------
+    def protected(self) -> set[int]:
+        """Steps no tier may delete now: being written, read or drained here, and each tier's newest complete."""
+        with self._lock:
+            out = {s for s, n in self._pinned.items() if n > 0}
+        out |= self.drainer.pending()
+        for tier in (self.local, self.remote):
+            newest = latest_complete(tier) if tier is not None else None
+            if newest is not None:
+                out.add(newest)
+        return out
+
+    def apply_retention(self) -> None:
+        with self._retention_lock:  # the saving thread and the drain both call it
+            self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        protected = self.protected()
+        tiers: list[tuple[Tier, int | None]] = [(self.local, self.keep_local)]
+        if self.remote is not None:
+            tiers.append((self.remote, self.keep_remote))
+        for tier, keep in tiers:
+            steps = tier.steps()
+            doomed = steps_to_remove(steps=steps, complete=complete_steps(tier), keep=keep, protected=protected)
+            for step in doomed:
+                log.info("retention: removing %s from %s", step_name(step), tier.url)
+                try:
+                    tier.remove(step)
+                except OSError as e:
+                    log.warning("retention could not remove %s from %s: %s", step_name(step), tier.url, e)
+
+    # ---- finding and loading ------------------------------------------------------------------
+    def latest(self) -> int | None:
+        """The newest step complete on some tier (local or remote), or None."""
+        return latest_step(self.local, self.remote)
+
+    def load(self, step: int | None = None, **torch_load_kwargs: Any) -> Any:
+        """The object saved as ``step`` (default: the newest complete one), from the nearest copy that verifies.
+
+        The local copy is re-hashed against its marker first; a missing or corrupt one is restored from the
+        remote (copied back to the local tier, verified in transit).  Without ``step``, a step no tier holds
+        intact is skipped (with a warning) for the next-newest one.
+        """
+        import torch
+
+        steps = [step] if step is not None else candidates(self.local, self.remote)
+        if not steps:
+            where = self.local.url + (f" or {self.remote.url}" if self.remote else "")
+            raise CheckpointNotFoundError(f"no complete checkpoint in {where}")
+        errors: list[str] = []
+        for s in steps:
+            with self.pinned(s):
+                try:
+                    marker = ensure_local(self.local, self.remote, s, self.policy)
+                except CheckpointCorruptError as e:
+                    if step is not None:
+                        raise
+                    errors.append(str(e))
+                    log.warning("skipping checkpoint %s: %s", step_name(s), e)
+                    continue
+                if OBJECT_FILE not in marker:
+                    raise UsageError(f"{step_name(s)} was written by torch.distributed.checkpoint: load it with "
+                                     "dcp.load(state_dict, storage_reader=ck.dcp_reader(step))")
+                return torch.load(self.local.step_dir(s) / OBJECT_FILE, **torch_load_kwargs)
+        raise CheckpointCorruptError("no complete checkpoint verifies: " + "; ".join(errors))
+
+    @contextmanager
+    def pinned(self, step: int) -> Iterator[None]:
+        """Keep ``step`` from retention while the block runs (a reader's or writer's hold)."""
+        self.pin(step)
+        try:
+            yield
+        finally:
+            self.unpin(step)
+
+    def pin(self, step: int) -> None:
+        with self._lock:
+            self._pinned[step] += 1
+
+    def unpin(self, step: int) -> None:
+        with self._lock:
+            self._pinned[step] -= 1
+
+    # ---- DCP ----------------------------------------------------------------------------------
+    def dcp_writer(self, step: int) -> Any:
+        """A storage writer for ``dcp.save``/``dcp.async_save`` that tiers ``step`` like :meth:`save`."""
+        from .dcp import TieredWriter
+
+        return TieredWriter(self, step)
+
+    def dcp_reader(self, step: int | None = None) -> Any:
+        """A storage reader for ``dcp.load`` that reads ``step`` (default: newest) from the nearest copy."""
+        from .dcp import TieredReader
+
+        return TieredReader(self, step)
+
+    # ---- the job's end ------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the pending write and every drain are done; raise if one failed. False on timeout."""
+        self._finish_inflight()
+        done = self.drainer.wait(timeout)
+        self.drainer.raise_failures()
+        return done
+
+    def status(self) -> dict[str, Any]:
+        """Where things stand: tiers, complete local steps, every recent drain (state, bytes, error)."""
+        drains = self.drainer.status()
+        return {
+            "local": self.local.url,
+            "remote": self.remote.url if self.remote else None,
+            "local_complete": complete_steps(self.local),
+            "writing": self._inflight is not None and not self._inflight.done(),
+            "drains": drains,
+            "pending": sorted(self.drainer.pending()),
+            "failed": [d for d in drains if d["state"] == "failed"],
+        }
+
+    def close(self, *, wait: bool = True) -> None:
+        """Finish (``wait=True``: write and drain everything, raising a failure) or abandon pending work."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if wait:
+                self._finish_inflight()
+        finally:
+            self._writer.shutdown(wait=True)
+            self.drainer.close(wait=wait)
+            pending = [d for d in self.drainer.status() if d["state"] in ("queued", "failed")]
+            if pending and self.remote is not None:
+                log.error("checkpoints not drained to %s: %s; finish with `stagingloader ckpt drain %s`",
+                          self.remote.url, [d["step"] for d in pending], self.local.url)
+        if wait:
+            self.drainer.raise_failures()
+
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close(wait=exc_type is None)
+
+    def _finish_inflight(self) -> None:
+        fut, self._inflight = self._inflight, None
+        if fut is not None:
+            fut.result()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"Checkpoints({self.local.url}) is closed")
+
+
+class _HashingWriter:
+    """A write-only file for torch.save that hashes every byte on its way to the tier."""
+
+    def __init__(self, f: Writer) -> None:
+        self._f = f
+        self.hasher = dg.new_hasher()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.hasher.update(view)
+        part = view
+        while part:
+            n = self._f.write(part)
+            part = part[n:] if isinstance(n, int) else part[len(part):]
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        pass
