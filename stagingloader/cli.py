@@ -220,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the sample source lives (default: ./stagingloader-demo)")
     d.add_argument("--root", default="auto", metavar="DIR|auto", help="staging root (default: auto)")
     d.add_argument("--files", type=_positive_int, default=3000, metavar="N", help="small files (default: 3000)")
+    from .checkpoints.cli import add_ckpt_parser
+
+    add_ckpt_parser(sub, [common, src_opts])
     return p
 
 
@@ -230,7 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="stagingloader: %(message)s", stream=sys.stderr)
     from . import commands
 
-    handler: Callable[[argparse.Namespace], tuple[int, Any]] = getattr(commands, "cmd_" + args.command)
+    handler: Callable[[argparse.Namespace], tuple[int, Any]] = getattr(args, "handler", None) or getattr(
+        commands, "cmd_" + args.command)
     try:
         args.storage_options = _storage_options(args)
         code, result = handler(args)
