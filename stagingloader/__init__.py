@@ -11,7 +11,11 @@ from typing import Any, Literal, overload
 
 from .dataset import StagedDataset, StageReport, VerifyReport
 from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
     DatasetNotFoundError,
+    DrainError,
     LockTimeoutError,
     ManifestError,
     MissingDependencyError,
@@ -31,12 +35,16 @@ from .verify import verify
 
 __version__ = "0.1.0"
 
-_LAZY = {"DataLoader", "StagedFiles", "StagedArrays", "LoaderStats", "diagnose"}
+_LAZY = {"DataLoader", "StagedFiles", "StagedArrays", "LoaderStats", "diagnose", "Checkpoints"}
 
 
 def __getattr__(name: str) -> Any:
     """The loader's names load torch, so they are imported on first use."""
     if name in _LAZY:
+        if name == "Checkpoints":
+            from .checkpoints import Checkpoints
+
+            return Checkpoints
         if name == "diagnose":
             from .loader.diagnosis import diagnose
 
@@ -148,8 +156,13 @@ def write_manifest(src: str, dest: str | None = None, *, storage_options: dict[s
 
 
 __all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "Checkpoints",
     "DataLoader",
     "DatasetNotFoundError",
+    "DrainError",
     "LoaderStats",
     "LockTimeoutError",
     "Manifest",

@@ -11,7 +11,8 @@ import stagingloader as sl
 def test_exported_names_are_pinned() -> None:
     assert sl.__all__ == sorted(sl.__all__)
     assert sl.__all__ == [
-        "DataLoader", "DatasetNotFoundError", "LoaderStats", "LockTimeoutError", "Manifest", "ManifestError",
+        "CheckpointCorruptError", "CheckpointError", "CheckpointNotFoundError", "Checkpoints", "DataLoader",
+        "DatasetNotFoundError", "DrainError", "LoaderStats", "LockTimeoutError", "Manifest", "ManifestError",
         "MissingDependencyError", "NoSpaceError", "RootError", "SourceAccessError", "SourceError",
         "SourceNotFoundError", "StageOptions", "StagePlan", "StageReport", "StagedArrays", "StagedDataset",
         "StagedFiles", "StagingError", "UnsafePathError", "UsageError", "VerificationError", "VerifyReport",

@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -115,7 +116,12 @@ class Checkpoints:
         try:
             with self.local.writing(step, OBJECT_FILE) as f:
                 w = _HashingWriter(f)
-                torch.save(obj, cast(IO[bytes], w))
+                try:
+                    torch.save(obj, cast(IO[bytes], w))
+                except RuntimeError:
+                    if w.error is not None:  # torch's zip writer hides the OSError behind its own
+                        raise w.error from None
+                    raise
         except OSError as e:
             self.local.remove(step)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -161,7 +167,10 @@ class Checkpoints:
 
     def apply_retention(self) -> None:
         with self._retention_lock:  # the saving thread and the drain both call it
-            self._apply_retention()
+            try:
+                self._apply_retention()
+            except Exception as e:  # retention is housekeeping: it never fails a save or a drain
+                log.warning("checkpoint retention skipped this time: %s: %s", type(e).__name__, e)
 
     def _apply_retention(self) -> None:
         protected = self.protected()
@@ -173,10 +182,13 @@ class Checkpoints:
             doomed = steps_to_remove(steps=steps, complete=complete_steps(tier), keep=keep, protected=protected)
             for step in doomed:
                 log.info("retention: removing %s from %s", step_name(step), tier.url)
-                try:
-                    tier.remove(step)
-                except OSError as e:
-                    log.warning("retention could not remove %s from %s: %s", step_name(step), tier.url, e)
+                for attempt in range(4):  # a failure leaves the step for the next pass: marker first, so never half
+                    try:
+                        tier.remove(step)
+                        break
+                    except OSError as e:
+                        log.warning("retention could not remove %s from %s: %s", step_name(step), tier.url, e)
+                        time.sleep(0.2 * 2**attempt)
 
     # ---- finding and loading ------------------------------------------------------------------
     def latest(self) -> int | None:
@@ -306,14 +318,19 @@ class _HashingWriter:
         self._f = f
         self.hasher = dg.new_hasher()
         self.size = 0
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.hasher.update(view)
         part = view
-        while part:
-            n = self._f.write(part)
-            part = part[n:] if isinstance(n, int) else part[len(part):]
+        try:
+            while part:
+                n = self._f.write(part)
+                part = part[n:] if isinstance(n, int) else part[len(part):]
+        except OSError as e:
+            self.error = e
+            raise
         self.size += len(view)
         return len(view)
 
