@@ -48,13 +48,14 @@ class Checkpoints:
     def __init__(self, local: str | os.PathLike[str], remote: str | None = None, *, keep_local: int = 2,
                  keep_remote: int | None = None, storage_options: dict[str, Any] | None = None,
                  fsync: bool | None = None, drain_workers: int = 2, drain_deadline: float = 3600.0,
-                 verify_remote: str = "size", async_buffer_bytes: int | None = None) -> None:
+                 verify_remote: str = "size", async_buffer_bytes: int | None = None, drain_nice: int = 10) -> None:
         if keep_local < 1:
             raise UsageError(f"keep_local must be at least 1 (the newest checkpoint stays local), not {keep_local}")
         if keep_remote is not None and keep_remote < 1:
             raise UsageError(f"keep_remote must be None (keep all) or at least 1, not {keep_remote}")
         try:
-            self.policy = TransferPolicy(workers=drain_workers, deadline=drain_deadline, verify=verify_remote)
+            self.policy = TransferPolicy(workers=drain_workers, deadline=drain_deadline, verify=verify_remote,
+                                         nice=drain_nice)
         except ValueError as e:
             raise UsageError(str(e)) from None
         self.local = FolderTier(os.fspath(local), fsync=fsync)
@@ -68,7 +69,7 @@ class Checkpoints:
         self._lock = threading.Lock()
         self._retention_lock = threading.Lock()
         self._pinned: Counter[int] = Counter()  # steps being written or read in this process
-        self.drainer = Drainer()  # also runs the DCP steps' marker gathers
+        self.drainer = Drainer(nice=self.policy.nice)  # also runs the DCP steps' marker gathers
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="stagingloader-ckpt-writer")
         self._inflight: Future[None] | None = None
         self._snapshot: Any = None

@@ -8,7 +8,9 @@ step and the file.  ``close`` stops the thread; it never runs from ``__del__``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -38,14 +40,22 @@ class DrainRecord:
                 "error": self.error}
 
 
+def lower_priority(nice: int) -> None:
+    """Renice the calling thread (Linux threads are tasks): the training loop wins the CPU from a drain."""
+    if nice:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
 class Drainer:
-    def __init__(self, name: str = "stagingloader-ckpt-drain") -> None:
+    def __init__(self, name: str = "stagingloader-ckpt-drain", *, nice: int = 10) -> None:
         self._cond = threading.Condition()
         self._queue: deque[tuple[DrainRecord, Task]] = deque()
         self._records: deque[DrainRecord] = deque(maxlen=_HISTORY)
         self._busy: DrainRecord | None = None
         self._closing = False
         self.stop = threading.Event()  # set by close(wait=False): copies stop between chunks
+        self._nice = nice
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -108,6 +118,7 @@ class Drainer:
         self._thread.join()
 
     def _run(self) -> None:
+        lower_priority(self._nice)
         while True:
             with self._cond:
                 while not self._queue and not self._closing:

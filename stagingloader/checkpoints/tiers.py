@@ -254,9 +254,16 @@ class ObjectTier:
         except FileNotFoundError:
             return None
 
+    def _open_write(self, path: str) -> Any:
+        try:
+            return self.fs.open(path, "wb", block_size=CHUNK)
+        except FileNotFoundError:  # a file system with folders (an fsspec-mounted one): make them
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            return self.fs.open(path, "wb", block_size=CHUNK)
+
     @contextlib.contextmanager
     def writing(self, step: int, rel: str) -> Iterator[Writer]:
-        f = self.fs.open(self._path(step, rel), "wb", block_size=CHUNK)
+        f = self._open_write(self._path(step, rel))
         try:
             yield f
         except BaseException:
@@ -267,7 +274,8 @@ class ObjectTier:
         f.close()
 
     def write_marker(self, step: int, marker: Manifest) -> None:
-        self.fs.pipe_file(self._path(step, MARKER), marker.to_json())
+        with self._open_write(self._path(step, MARKER)) as f:
+            f.write(marker.to_json())
 
     def remove(self, step: int) -> None:
         self.remove_marker(step)

@@ -20,6 +20,7 @@ from .. import digest as dg
 from ..errors import CheckpointCorruptError, DrainError, StagingError
 from ..manifest import Manifest
 from ..retry import is_permanent
+from .drain import lower_priority
 from .layout import MARKER, step_name
 from .tiers import CHUNK, Tier, hash_file_on
 
@@ -35,6 +36,7 @@ class TransferPolicy:
     first_delay: float = 0.5  #: the first back-off; doubled per retry, jittered
     max_delay: float = 30.0
     verify: str = "size"  #: after each file: "size" (stat the copy) or "full" (read it back and re-hash)
+    nice: int = 10  #: niceness of the drain's threads, so that the training loop wins the CPU (0: unchanged)
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.deadline <= 0 or self.verify not in ("size", "full"):
@@ -71,7 +73,8 @@ def copy_step(src: Tier, dst: Tier, step: int, marker: Manifest, policy: Transfe
         for e in wanted:
             one(e.path, e.size, e.digest)
     else:
-        with ThreadPoolExecutor(policy.workers, thread_name_prefix="stagingloader-ckpt-copy") as pool:
+        with ThreadPoolExecutor(policy.workers, thread_name_prefix="stagingloader-ckpt-copy",
+                                initializer=lower_priority, initargs=(policy.nice,)) as pool:
             futures = [pool.submit(one, e.path, e.size, e.digest) for e in wanted]
             for f in futures:
                 f.result()

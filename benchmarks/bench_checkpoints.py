@@ -1,0 +1,256 @@
+"""Checkpoints: how long the training loop is blocked per checkpoint, tiered vs straight to shared storage.
+
+    python benchmarks/bench_checkpoints.py [--sizes 1,4] [--shared-mbps 250] [--local /dev/shm/slbench-ckpt]
+
+"Shared storage" is a stand-in slower than the local tier: a folder on the root disk reached through an
+fsspec file system (``throttled://``) whose reads and writes share one token bucket of --shared-mbps (a
+share of an NFS/Lustre link).  The same stand-in serves every contender:
+
+- ``torch.save`` straight to it, ``dcp.save`` and ``dcp.async_save`` to it (DCP's ``FsspecWriter``);
+- stagingloader ``Checkpoints(local=tmpfs, remote=throttled://...)``: ``save`` (sync) and ``save(async_=True)``.
+
+Per state dict size (random float32 tensors of 256 MiB) it reports the blocked seconds of each, the local
+tier's own write speed (``torch.save`` to the tmpfs folder, the same run) and the ratio of stagingloader's
+blocked time to it; the step-time increase of a simulated training loop (single-thread matmuls) while a
+drain runs; and restore times (local verified copy vs a fresh node restoring from the stand-in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import json
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+import torch.distributed.checkpoint as dcp
+from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from stagingloader.checkpoints import Checkpoints
+
+GIB = 1 << 30
+PIECE = 256 << 20
+
+
+class Throttle:
+    """One token bucket for the stand-in's link: every read and write waits for its share."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.rate = bytes_per_s
+        self._next = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._next = max(self._next, now) + n / self.rate
+            wait = self._next - now
+        if wait > 0:
+            time.sleep(wait)
+
+
+THROTTLE = Throttle(250e6)
+
+
+class _Slow(io.RawIOBase):
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def write(self, b: Any) -> int:
+        n = len(memoryview(b).cast("B"))
+        THROTTLE.take(n)
+        self.f.write(b)
+        return n
+
+    def readinto(self, b: Any) -> int:
+        n = int(self.f.readinto(b))
+        THROTTLE.take(n)
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        data: bytes = self.f.read(size)
+        THROTTLE.take(len(data))
+        return data
+
+    def readable(self) -> bool:
+        return bool(self.f.readable())
+
+    def writable(self) -> bool:
+        return bool(self.f.writable())
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return int(self.f.seek(pos, whence))
+
+    def tell(self) -> int:
+        return int(self.f.tell())
+
+    def close(self) -> None:
+        self.f.close()
+        super().close()
+
+
+class ThrottledFS(LocalFileSystem):
+    protocol = ("throttled",)
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> Any:
+        path = str(path)
+        return super()._strip_protocol(path[len("throttled://"):] if path.startswith("throttled://") else path)
+
+    def _open(self, path: str, mode: str = "rb", block_size: Any = None, **kwargs: Any) -> Any:
+        return _Slow(super()._open(path, mode, block_size=block_size, **kwargs))
+
+
+fsspec.register_implementation("throttled", ThrottledFS, clobber=True)
+
+
+def make_state(size: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(size)
+    return {f"layer{i}.weight": torch.rand(PIECE // 4, generator=g) for i in range(size // PIECE)}
+
+
+def timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class StepLoop:
+    """A simulated training step: CPU work on one thread (the other core is the drain's)."""
+
+    def __init__(self) -> None:
+        self.a = torch.rand(384, 384)
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        for _ in range(8):
+            self.a = torch.tanh(self.a @ self.a) * 0.5
+        return time.perf_counter() - t0
+
+    def run_for(self, seconds: float) -> list[float]:
+        out, end = [], time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            out.append(self.step())
+        return out
+
+    def run_while(self, busy: Any) -> list[float]:
+        out = []
+        while busy():
+            out.append(self.step())
+        return out
+
+
+def bench_size(size: int, local: Path, shared: Path, loop: StepLoop) -> dict[str, Any]:
+    r: dict[str, Any] = {"bytes": size}
+    state = make_state(size)
+    for d in (local, shared):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+
+    r["local_torch_save_s"] = timed(lambda: torch.save(state, local / "plain.pt"))  # the local tier's speed
+    os.unlink(local / "plain.pt")
+
+    def to_shared() -> None:
+        with fsspec.open(f"throttled://{shared}/plain.pt", "wb") as f:
+            torch.save(state, f)
+
+    r["shared_torch_save_s"] = timed(to_shared)
+    r["shared_dcp_save_s"] = timed(lambda: dcp.save(state, storage_writer=FsspecWriter(
+        f"throttled://{shared}/dcp-sync"), no_dist=True))
+    t0 = time.perf_counter()
+    fut = dcp.async_save(state, storage_writer=FsspecWriter(f"throttled://{shared}/dcp-async"), no_dist=True)
+    r["shared_dcp_async_save_blocked_s"] = time.perf_counter() - t0
+    fut.result()
+    r["shared_dcp_async_save_done_s"] = time.perf_counter() - t0
+    del fut
+    gc.collect()
+    shutil.rmtree(shared)
+    shared.mkdir()
+
+    remote = f"throttled://{shared}/tiered"
+    base = loop.run_for(4.0)
+    with Checkpoints(local=local / "tiered", remote=remote, keep_local=1, keep_remote=2) as ck:
+        r["sl_save_blocked_s"] = timed(lambda: ck.save(1, state))
+        t0 = time.perf_counter()
+        during = loop.run_while(lambda: not ck.drainer.idle())
+        r["sl_drain_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ck.save(2, state, async_=True)
+        r["sl_async_save_blocked_s"] = time.perf_counter() - t0
+        ck.wait()
+        r["sl_async_save_drained_s"] = time.perf_counter() - t0
+        r["restore_local_s"] = timed(lambda: ck.load(2))
+    with Checkpoints(local=local / "fresh-node", remote=remote) as ck:
+        r["restore_remote_s"] = timed(lambda: ck.load(2))
+    r["restore_bytes_verified"] = size
+    r["step_ms_idle"] = statistics.median(base) * 1e3
+    r["step_ms_draining"] = statistics.median(during) * 1e3 if during else float("nan")
+    r["steps_during_drain"] = len(during)
+    state.clear()
+    gc.collect()
+    shutil.rmtree(local, ignore_errors=True)
+    shutil.rmtree(shared, ignore_errors=True)
+    return r
+
+
+def table(rows: list[dict[str, Any]], mbps: float) -> str:
+    out = [f"shared stand-in: {mbps:.0f} MB/s (throttled fsspec folder on the root disk); local tier: tmpfs", "",
+           "| state | local write (torch.save to tmpfs) | torch.save to shared | dcp.save | dcp.async_save blocked "
+           "| **sl save blocked** | **sl async blocked** | sl blocked / local write | shared / sl blocked |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gb = r["bytes"] / GIB
+        bw = r["bytes"] / r["local_torch_save_s"] / 1e9
+        out.append(
+            f"| {gb:.0f} GiB | {r['local_torch_save_s']:.2f} s ({bw:.2f} GB/s) | {r['shared_torch_save_s']:.1f} s | "
+            f"{r['shared_dcp_save_s']:.1f} s | {r['shared_dcp_async_save_blocked_s']:.2f} s | "
+            f"**{r['sl_save_blocked_s']:.2f} s** | **{r['sl_async_save_blocked_s']:.2f} s** | "
+            f"{r['sl_save_blocked_s'] / r['local_torch_save_s']:.2f} | "
+            f"{r['shared_torch_save_s'] / r['sl_save_blocked_s']:.1f}x |")
+    out += ["", "| state | drain to shared | step idle | step while draining | increase | restore local "
+            "(verify + load) | restore on a fresh node (from shared) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        inc = r["step_ms_draining"] / r["step_ms_idle"] - 1
+        out.append(f"| {r['bytes'] / GIB:.0f} GiB | {r['sl_drain_s']:.1f} s | {r['step_ms_idle']:.1f} ms | "
+                   f"{r['step_ms_draining']:.1f} ms ({r['steps_during_drain']} steps) | {inc * 100:+.1f} % | "
+                   f"{r['restore_local_s']:.2f} s | {r['restore_remote_s']:.1f} s |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,4", help="state dict sizes in GiB (default: 1,4)")
+    ap.add_argument("--shared-mbps", type=float, default=250.0, help="the stand-in's bandwidth, MB/s")
+    ap.add_argument("--local", default="/dev/shm/slbench-ckpt", help="the local tier (default: a tmpfs folder)")
+    ap.add_argument("--shared", default="/work/slbench-ckpt-shared", help="the stand-in's folder (a disk)")
+    ap.add_argument("--json", metavar="FILE", help="also write the raw figures here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    THROTTLE.rate = args.shared_mbps * 1e6
+    loop = StepLoop()
+    rows = []
+    for gib in (float(x) for x in args.sizes.split(",")):
+        rows.append(bench_size(int(gib * GIB), Path(args.local), Path(args.shared), loop))
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    print(table(rows, args.shared_mbps))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
