@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from typing import Any, Literal, overload
 
-from .dataset import StagedDataset, StageReport, VerifyReport
+from .cache.manifest import Manifest
 from .errors import (
+    CacheError,
     DatasetNotFoundError,
+    ExitCode,
+    InternalError,
     LockTimeoutError,
     ManifestError,
     MissingDependencyError,
     NoSpaceError,
     RootError,
     SourceAccessError,
+    SourceChangedError,
     SourceError,
     SourceNotFoundError,
     StagingError,
@@ -25,9 +30,9 @@ from .errors import (
     UsageError,
     VerificationError,
 )
-from .manifest import Manifest
-from .stager import StageOptions, StagePlan
-from .verify import verify
+from .staging.result import StagedDataset, StageReport, VerifyReport
+from .staging.stager import StageOptions, StagePlan
+from .staging.verify import verify
 
 __version__ = "0.1.0"
 
@@ -67,6 +72,7 @@ def stage(
     callback: Any = None,
     on_event: Callable[[str], None] | None = None,
     distributed: bool = False,
+    options: StageOptions | None = None,
 ) -> StagedDataset: ...
 
 
@@ -90,6 +96,7 @@ def stage(
     callback: Any = None,
     on_event: Callable[[str], None] | None = None,
     distributed: bool = False,
+    options: StageOptions | None = None,
 ) -> StagePlan: ...
 
 
@@ -112,27 +119,35 @@ def stage(
     callback: Any = None,
     on_event: Callable[[str], None] | None = None,
     distributed: bool = False,
+    options: StageOptions | None = None,
 ) -> StagedDataset | StagePlan:
     """Stage ``src`` (any fsspec URL) onto node-local storage; block until staged and verified.
 
-    Keyword arguments mirror ``stagingloader stage``'s options.  Returns a
+    Keyword arguments mirror ``stagingloader stage``'s options; ``options=StageOptions(...)`` carries the same
+    settings as one frozen object instead (not both).  Returns a
     :class:`StagedDataset` holding a lease for this process (dropped by ``.release()``, or when
     the process ends); with ``dry_run=True``, the :class:`StagePlan` instead.  ``callback`` is an
     fsspec-style progress callback (``set_size``/``relative_update``, in bytes).  With
     ``distributed=True`` (torchrun or srun), one process per node stages and the others wait;
     all return the same dataset (see :mod:`stagingloader.distributed`).
     """
-    from .stager import run_stage
+    from .staging.stager import run_stage
 
-    options = dict(storage_options or {})
+    so = dict(storage_options or {})
     if endpoint_url:
-        options.setdefault("endpoint_url", endpoint_url)
+        so.setdefault("endpoint_url", endpoint_url)
     opts = StageOptions(root=root, workers=workers, verify=verify, include=tuple(include), exclude=tuple(exclude),
                         fsync=fsync, max_ram_fraction=max_ram_fraction, lock_timeout=lock_timeout,
-                        dry_run=dry_run, shard=shard, lease=lease, storage_options=options)
+                        dry_run=dry_run, shard=shard, lease=lease, storage_options=so)
+    if options is not None:
+        given = sorted(f.name for f in fields(StageOptions) if getattr(opts, f.name) != getattr(StageOptions(), f.name))
+        if given:
+            raise UsageError(f"pass the options either as options=StageOptions(...) or as keywords, not both "
+                             f"(got options= and {', '.join(given)})")
+        opts = options
     env = dict(os.environ)
     if distributed:
-        from .distributed import run_once_per_node
+        from .staging.distributed import run_once_per_node
 
         return run_once_per_node(lambda: run_stage(src, opts, env=env, callback=callback, on_event=on_event,
                                                    pid_lease=lease is None), env)
@@ -142,14 +157,17 @@ def stage(
 def write_manifest(src: str, dest: str | None = None, *, storage_options: dict[str, Any] | None = None,
                    workers: int | None = None, callback: Any = None) -> tuple[str, Manifest]:
     """Hash every file of ``src`` and write a digest manifest next to it (or to ``dest``)."""
-    from .source_manifest import write_source_manifest
+    from .staging.source_manifest import write_source_manifest
 
     return write_source_manifest(src, dest, storage_options=storage_options, workers=workers, callback=callback)
 
 
 __all__ = [
+    "CacheError",
     "DataLoader",
     "DatasetNotFoundError",
+    "ExitCode",
+    "InternalError",
     "LoaderStats",
     "LockTimeoutError",
     "Manifest",
@@ -158,6 +176,7 @@ __all__ = [
     "NoSpaceError",
     "RootError",
     "SourceAccessError",
+    "SourceChangedError",
     "SourceError",
     "SourceNotFoundError",
     "StageOptions",
