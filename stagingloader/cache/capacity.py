@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import NoSpaceError, RootError
 from ..units import human_bytes
-from .tiers import MountInfo, free_bytes, meminfo, mount_of
+from .tiers import MemoryLimit, MountInfo, cgroup_memory_limit, free_bytes, meminfo, mount_of
 
 #: Folders that are node-local NVMe scratch on common clusters, tried by ``--root auto``.
 NVME_CANDIDATES = ("/local_scratch", "/scratch_local", "/lscratch", "/local/scratch", "/mnt/local_scratch",
@@ -28,6 +28,7 @@ class Tier:
     mount: MountInfo
     free: int  #: free bytes on its file system
     budget: int  #: bytes stagingloader may add: free space, and for tmpfs the memory budget too
+    cgroup: MemoryLimit | None = None  #: for tmpfs: the memory cgroup that will be charged, when it binds
 
     @property
     def kind(self) -> str:
@@ -35,6 +36,9 @@ class Tier:
 
     def describe(self) -> str:
         extra = f", memory budget {human_bytes(self.budget)}" if self.mount.is_memory else ""
+        if self.cgroup is not None:
+            extra += (f", bound by this job's memory limit: {human_bytes(self.cgroup.limit)} in cgroup "
+                      f"{self.cgroup.path}, {human_bytes(self.cgroup.left)} left")
         return f"{self.path} ({self.kind} {self.mount.fs_type}, {human_bytes(self.free)} free{extra})"
 
 
@@ -42,17 +46,25 @@ def tier_of(path: Path, max_ram_fraction: float) -> Tier:
     """Measure ``path``: free space, and for a memory file system the RAM it may still take.
 
     A tmpfs may grow until the memory left for the job falls under ``1 - max_ram_fraction``
-    of the machine's RAM: budget = MemAvailable - (1 - fraction) x MemTotal.
+    of the machine's RAM: budget = MemAvailable - (1 - fraction) x MemTotal.  Its pages are charged
+    to this process's memory cgroup (a Slurm job's, a container's), so the same rule applies to the
+    cgroup's limit: budget <= (limit - usage) - (1 - fraction) x limit.
     """
     mount = mount_of(path)
     free = free_bytes(path)
     budget = free
+    binding = None
     if mount.is_memory:
         mem = meminfo()
         if mem.get("MemTotal"):
             reserve = int((1.0 - max_ram_fraction) * mem["MemTotal"])
             budget = max(0, min(free, mem.get("MemAvailable", 0) - reserve))
-    return Tier(path, mount, free, budget)
+        cg = cgroup_memory_limit()
+        if cg is not None:
+            cg_budget = max(0, cg.left - int((1.0 - max_ram_fraction) * cg.limit))
+            if cg_budget < budget:
+                budget, binding = cg_budget, cg
+    return Tier(path, mount, free, budget, binding)
 
 
 def check_root(path: Path) -> None:
