@@ -54,15 +54,15 @@ def __getattr__(name: str) -> Any:
 
 @overload
 def stage(
-    src: str,
-    root: str = "auto",
+    src: str | os.PathLike[str],
+    root: str | os.PathLike[str] = "auto",
     *,
     storage_options: dict[str, Any] | None = None,
     endpoint_url: str | None = None,
     workers: int | None = None,
     verify: str = "fast",
-    include: Sequence[str] = (),
-    exclude: Sequence[str] = (),
+    include: str | Sequence[str] = (),
+    exclude: str | Sequence[str] = (),
     fsync: bool | None = None,
     max_ram_fraction: float = 0.5,
     lock_timeout: float | None = 3600.0,
@@ -78,15 +78,15 @@ def stage(
 
 @overload
 def stage(
-    src: str,
-    root: str = "auto",
+    src: str | os.PathLike[str],
+    root: str | os.PathLike[str] = "auto",
     *,
     storage_options: dict[str, Any] | None = None,
     endpoint_url: str | None = None,
     workers: int | None = None,
     verify: str = "fast",
-    include: Sequence[str] = (),
-    exclude: Sequence[str] = (),
+    include: str | Sequence[str] = (),
+    exclude: str | Sequence[str] = (),
     fsync: bool | None = None,
     max_ram_fraction: float = 0.5,
     lock_timeout: float | None = 3600.0,
@@ -101,15 +101,15 @@ def stage(
 
 
 def stage(
-    src: str,
-    root: str = "auto",
+    src: str | os.PathLike[str],
+    root: str | os.PathLike[str] = "auto",
     *,
     storage_options: dict[str, Any] | None = None,
     endpoint_url: str | None = None,
     workers: int | None = None,
     verify: str = "fast",
-    include: Sequence[str] = (),
-    exclude: Sequence[str] = (),
+    include: str | Sequence[str] = (),
+    exclude: str | Sequence[str] = (),
     fsync: bool | None = None,
     max_ram_fraction: float = 0.5,
     lock_timeout: float | None = 3600.0,
@@ -133,10 +133,17 @@ def stage(
     """
     from .staging.stager import run_stage
 
+    if not isinstance(src, (str, os.PathLike)):
+        raise UsageError(f"src must be a path or a URL such as s3://bucket/prefix, not {type(src).__name__} {src!r}")
+    src = os.fspath(src)
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise UsageError(f"storage_options must be a dict of fsspec options (e.g. {{'anon': True}}), "
+                         f"not {type(storage_options).__name__} {storage_options!r}")
     so = dict(storage_options or {})
     if endpoint_url:
         so.setdefault("endpoint_url", endpoint_url)
-    opts = StageOptions(root=root, workers=workers, verify=verify, include=tuple(include), exclude=tuple(exclude),
+    opts = StageOptions(root=os.fspath(root), workers=workers, verify=verify, include=_patterns(include),
+                        exclude=_patterns(exclude),
                         fsync=fsync, max_ram_fraction=max_ram_fraction, lock_timeout=lock_timeout,
                         dry_run=dry_run, shard=shard, lease=lease, storage_options=so)
     if options is not None:
@@ -152,6 +159,11 @@ def stage(
         return run_once_per_node(lambda: run_stage(src, opts, env=env, callback=callback, on_event=on_event,
                                                    pid_lease=lease is None), env)
     return run_stage(src, opts, env=env, callback=callback, on_event=on_event, pid_lease=lease is None)
+
+
+def _patterns(value: str | Sequence[str]) -> tuple[str, ...]:
+    """``include="*.jpg"`` is one pattern, not five characters."""
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def write_manifest(src: str, dest: str | None = None, *, storage_options: dict[str, Any] | None = None,

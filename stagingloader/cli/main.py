@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import traceback
@@ -41,6 +42,16 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], not {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if math.isnan(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0 (inf waits for ever), not {text}")
     return value
 
 
@@ -130,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fsync each file (default: on for disks, off for tmpfs, which a reboot loses anyway)")
     s.add_argument("--max-ram-fraction", type=_fraction, default=0.5, metavar="F",
                    help="on tmpfs, leave at least (1-F) of RAM to the job (default: 0.5)")
-    s.add_argument("--lock-timeout", type=float, default=3600.0, metavar="SECONDS",
+    s.add_argument("--lock-timeout", type=_seconds, default=3600.0, metavar="SECONDS",
                    help="how long to wait for another stager of the same dataset (default: 3600)")
     s.add_argument("--dry-run", action="store_true", help="print the plan (what, how much, where, fits?) and stop")
     s.add_argument("--shard", type=_shard, metavar="I/N|node",

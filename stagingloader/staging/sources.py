@@ -236,12 +236,20 @@ class Source:
         return target
 
 
+#: botocore's defaults wait 60 s for a connection and retry it 4 times: a host that does not answer took
+#: minutes to fail.  A user's own config_kwargs win.
+_S3_CLIENT_DEFAULTS = {"connect_timeout": 5, "retries": {"max_attempts": 3, "mode": "standard"}}
+
+
 def _filesystem(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     import fsspec
 
     protocol = url.split("://", 1)[0].lower()
+    options = dict(storage_options)
+    if protocol in ("s3", "s3a"):
+        options["config_kwargs"] = {**_S3_CLIENT_DEFAULTS, **dict(options.get("config_kwargs") or {})}
     try:
-        fs, path = fsspec.core.url_to_fs(url, **storage_options)
+        fs, path = fsspec.core.url_to_fs(url, **options)
     except ImportError:
         hint = _INSTALL_HINTS.get(protocol, f"install the fsspec implementation for {protocol}://")
         raise MissingDependencyError(f"{protocol}:// sources need an extra package: {hint}") from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import shutil
 import threading
@@ -60,14 +61,27 @@ class StageOptions:
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("include", "exclude"):  # one pattern given as a string is one pattern, not its characters
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, (value,))
+            elif not all(isinstance(v, str) for v in value):
+                raise UsageError(f"{name} takes glob patterns (strings), not {value!r}")
+        if not isinstance(self.root, str) or not self.root:
+            raise UsageError(f"root must be a folder path or 'auto', not {self.root!r}")
+        if not isinstance(self.storage_options, dict):
+            raise UsageError(f"storage_options must be a dict of fsspec options (e.g. {{'anon': True}}), "
+                             f"not {type(self.storage_options).__name__} {self.storage_options!r}")
         if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
             raise UsageError(f"workers must be a whole number of at least 1, not {self.workers!r}")
         if self.verify not in ("fast", "full"):
             raise UsageError(f"verify must be 'fast' (size + mtime) or 'full' (re-hash), not {self.verify!r}")
-        if not 0.0 < self.max_ram_fraction <= 1.0:
+        if not isinstance(self.max_ram_fraction, (int, float)) or not 0.0 < self.max_ram_fraction <= 1.0:
             raise UsageError(f"max_ram_fraction must be in (0, 1], not {self.max_ram_fraction!r}")
-        if self.lock_timeout is not None and self.lock_timeout < 0:
-            raise UsageError("lock_timeout cannot be negative")
+        if self.lock_timeout is not None and (not isinstance(self.lock_timeout, (int, float))
+                                              or math.isnan(self.lock_timeout) or self.lock_timeout < 0):
+            raise UsageError(f"lock_timeout must be a number of seconds >= 0 (or None to wait for ever), "
+                             f"not {self.lock_timeout!r}")
         if self.shard is not None:
             i, n = self.shard
             if not (n >= 1 and 0 <= i < n):
