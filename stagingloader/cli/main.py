@@ -74,8 +74,29 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _options_file(path: str) -> dict[str, Any]:
+    """Storage options from a JSON file: secrets stay out of the command line, which every user sees in ``ps``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            opts = json.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"--options-file {path}: no such file") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--options-file {path}: not a readable JSON file ({e}); write e.g. "
+                         '{"key": "ID", "secret": "SECRET"}') from None
+    if not isinstance(opts, dict):
+        raise UsageError(f"--options-file {path}: expected a JSON object of fsspec options, e.g. "
+                         '{"key": "ID", "secret": "SECRET"}')
+    if mode & 0o077:
+        log.warning("%s can be read by other users; if it holds a secret, chmod 600 it", path)
+    return opts
+
+
 def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {}
+    if getattr(args, "options_file", None):
+        opts.update(_options_file(args.options_file))
     for item in getattr(args, "option", None) or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -98,7 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     src_opts.add_argument("--endpoint-url", metavar="URL", help="S3-compatible endpoint (MinIO, Ceph, SeaweedFS...)")
     src_opts.add_argument("-o", "--option", action="append", metavar="KEY=VALUE",
                           help="fsspec storage option (repeatable; values parsed as JSON when they can be), "
-                               "e.g. -o anon=true -o key=ID -o secret=SECRET")
+                               "e.g. -o anon=true -o region_name=us-east-1. Keep secrets off the command line "
+                               "(other users see it in ps): use --options-file, AWS_ACCESS_KEY_ID/"
+                               "AWS_SECRET_ACCESS_KEY, or fsspec's FSSPEC_S3_KEY/FSSPEC_S3_SECRET")
+    src_opts.add_argument("--options-file", metavar="FILE",
+                          help='fsspec storage options as a JSON object, e.g. {"key": "ID", "secret": "SECRET"} '
+                               "(chmod 600 it); -o options override it")
     root_opt = argparse.ArgumentParser(add_help=False)
     root_opt.add_argument("--root", default="auto", metavar="DIR|auto",
                           help="staging root; 'auto' tries $STAGINGLOADER_ROOT, $SLURM_TMPDIR, a local $TMPDIR, "

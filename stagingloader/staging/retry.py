@@ -1,4 +1,5 @@
-"""Retry transient source errors with exponential back-off; turn the rest into SourceErrors."""
+"""Retry transient source errors with exponential back-off; turn the rest into SourceErrors, with no credential
+in any message (:func:`redact`)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,15 @@ class RetryPolicy:
     unreachable_attempts: int = 2  #: when the endpoint does not answer at all
 
 
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the ``user:password@`` part of every URL in it removed: nothing stagingloader writes
+    (folder names, dataset.json, manifests, ``ls``, logs, errors) carries a credential."""
+    return _USERINFO.sub(r"\g<scheme>", text)
+
+
 def is_unreachable(exc: BaseException) -> bool:
     """The endpoint did not answer (refused, no route, connect timeout), as opposed to an error it returned."""
     names = {cls.__name__ for cls in type(exc).__mro__}
@@ -56,7 +66,7 @@ def as_source_error(exc: BaseException, where: str) -> StagingError:
     """The one-line error a user sees for an exception raised while reading ``where``."""
     if isinstance(exc, StagingError):
         return exc
-    text = str(exc) or type(exc).__name__
+    where, text = redact(where), redact(str(exc) or type(exc).__name__)
     unknown = _UNKNOWN_OPTION.search(text) if isinstance(exc, TypeError) else None
     if unknown:
         return UsageError(f"{where}: unknown storage option {unknown.group(1)!r} ({text}); check the -o KEY=VALUE "
@@ -70,7 +80,7 @@ def as_source_error(exc: BaseException, where: str) -> StagingError:
     if "NoCredentialsError" in names or "PartialCredentialsError" in names:
         return SourceAccessError(
             f"{where}: no credentials; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, "
-            "or -o key=... -o secret=..."
+            "or --options-file FILE with {\"key\": ..., \"secret\": ...}"
         )
     if isinstance(exc, PermissionError) or names & {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"}:
         return SourceAccessError(f"{where}: access denied ({text}); check the credentials and permissions")
@@ -99,8 +109,8 @@ def call_with_retry(fn: Callable[[], T], where: str, policy: RetryPolicy = Retry
             if unreachable:
                 delay = max(delay, 1.0)
             # said where a person sees it: a retrying stager is not a hung one
-            log.warning("%s: %s; retrying in %.1f s (attempt %d of %d)", where, _short(exc), delay, attempt + 1,
-                        limit)
+            log.warning("%s: %s; retrying in %.1f s (attempt %d of %d)", redact(where), redact(_short(exc)), delay,
+                        attempt + 1, limit)
             time.sleep(delay * random.uniform(0.5, 1.5))
             delay = min(delay * 2, policy.max_delay)
 

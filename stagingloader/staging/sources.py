@@ -24,7 +24,7 @@ from ..errors import (
     UnsafePathError,
     UsageError,
 )
-from .retry import RetryPolicy, as_source_error, call_with_retry
+from .retry import RetryPolicy, as_source_error, call_with_retry, redact
 
 GLOB_CHARS = "*?["
 _INSTALL_HINTS = {
@@ -77,7 +77,7 @@ class Source:
     """A dataset's source: an fsspec filesystem and a base path (a folder, a prefix or a glob)."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        self.url = url
+        self.url = redact(url)  #: for people and records; the filesystem gets the URL as given
         self.storage_options = dict(storage_options or {})
         self.protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
         self.is_local = self.protocol in ("file", "local")
@@ -111,8 +111,8 @@ class Source:
         endpoint = self.storage_options.get("endpoint_url") or self.storage_options.get(
             "client_kwargs", {}
         ).get("endpoint_url", "")
-        where = self.pattern or self.base
-        return f"{self.protocol}://{where}" + (f"@{endpoint}" if endpoint else "")
+        where = redact(self.pattern or self.base)
+        return f"{self.protocol}://{where}" + (f"@{redact(str(endpoint))}" if endpoint else "")
 
     def path_of(self, rel: str) -> str:
         if self._single:

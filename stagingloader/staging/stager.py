@@ -118,7 +118,7 @@ def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = N
     key = dataset_key(identity)
     tier, why = resolve_root(opts.root, total, key, max_ram_fraction=opts.max_ram_fraction, env=env,
                              user=current_user())
-    say(f"staging {src} ({len(listing)} files, {human_bytes(total)}) into {tier.describe()}: {why}")
+    say(f"staging {source.url} ({len(listing)} files, {human_bytes(total)}) into {tier.describe()}: {why}")
     run = _Run(source=source, listing=listing, opts=opts, tier=tier, why=why, ddir=DatasetDir(tier.path / key),
                t0=t0, say=say)
     if run.ddir.path.is_dir() and not os.access(run.ddir.path, os.W_OK) and not opts.dry_run:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import threading
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import stagingloader as sl
+from tests.conftest import run_cli
 from tests.support.trees import make_tree, tree_digests
 
 
@@ -42,3 +44,21 @@ def test_stage_a_folder_and_a_file_over_http(http_src: tuple[str, Path], root: P
     missing = pytest.raises(sl.SourceError)
     with missing:
         sl.stage(url + "/nope.bin", root=str(root))
+
+
+def test_a_password_in_the_url_is_written_nowhere(http_src: tuple[str, Path], root: Path) -> None:
+    url, src = http_src
+    secret = "hunter2-s3cr3t"
+    with_creds = url.replace("http://", f"http://alice:{secret}@") + "/sub/"
+    out = run_cli("stage", with_creds, "--root", str(root), "--json")
+    assert out.returncode == 0, out.stderr
+    assert secret not in out.stdout + out.stderr
+    listed = run_cli("ls", "--root", str(root), "--json")
+    assert listed.returncode == 0 and secret not in listed.stdout
+    for path in root.rglob("*"):  # folder names, dataset.json, manifests, leases
+        assert secret not in path.name
+        if path.is_file() and not path.is_symlink() and path.stat().st_size < 1 << 20:
+            assert secret.encode() not in path.read_bytes(), path
+    staged = json.loads(out.stdout)
+    assert tree_digests(Path(staged["root"])) == tree_digests(src / "sub")
+    assert staged["source"] == url + "/sub/"

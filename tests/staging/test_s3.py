@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterator
@@ -168,3 +169,22 @@ def test_probe_an_object_store(s3: S3Server, tmp_path: Path) -> None:
     assert sorted(levels, key=int) == ["1", "4", "16", "64"]
     for row in levels.values():
         assert row["objects/s"] > 0 and row["MB/s"] > 0 and row["p50_ms"] <= row["p99_ms"]
+
+
+def test_secrets_stay_off_the_command_line(s3: S3Server, root: Path, tmp_path: Path) -> None:
+    """--options-file and fsspec's own environment carry the credentials; the command line holds none."""
+    opts = tmp_path / "s3.json"
+    opts.write_text(json.dumps({"key": s3.access_key, "secret": s3.secret_key}))
+    opts.chmod(0o600)
+    out = cli_json("stage", f"s3://{BUCKET}/ds/multi", "--root", str(root), "--endpoint-url", s3.endpoint_url,
+                   "--options-file", str(opts))
+    _check_bytes(Path(out["root"]), _expected("ds/multi/"))
+    env = {"FSSPEC_S3_KEY": s3.access_key, "FSSPEC_S3_SECRET": s3.secret_key}
+    again = cli_json("stage", f"s3://{BUCKET}/ds/multi", "--root", str(root), "--endpoint-url", s3.endpoint_url,
+                     env=env)
+    assert again["root"] == out["root"] and again["copied_files"] == 0
+    bad = run_cli("stage", f"s3://{BUCKET}/ds/multi", "--root", str(root), "--options-file", str(tmp_path / "no"))
+    assert bad.returncode == 2 and "--options-file" in bad.stderr
+    opts.write_text("[1, 2]")
+    bad = run_cli("stage", f"s3://{BUCKET}/ds/multi", "--root", str(root), "--options-file", str(opts))
+    assert bad.returncode == 2 and "JSON object" in bad.stderr
