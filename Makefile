@@ -25,7 +25,7 @@ lint: setup
 
 test: lint
 	bash tests/support/install_slurm.sh  # Debian's Slurm and munge, for the tests that start real daemons
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --strict-skips
 
 bench: setup
 	$(BIN)/python benchmarks/bench_stage.py

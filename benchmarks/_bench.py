@@ -33,7 +33,7 @@ def stagingloader_cmd() -> list[str]:
     found = shutil.which("stagingloader")
     if found:
         return [found]
-    return [sys.executable, "-m", "stagingloader.cli"]
+    return [sys.executable, "-m", "stagingloader"]
 
 
 @dataclass

@@ -171,7 +171,7 @@ def bench_rss(n: int) -> dict[str, Any]:
         for i in range(1, n):
             os.link(first, folder / "c" / f"{i}.bin")
         marker.touch()
-    from tests.test_loader import _RSS_PROBE
+    from tests.loader.test_loader import _RSS_PROBE
 
     repo = str(Path(__file__).resolve().parents[1])
     row: dict[str, Any] = {"samples": n}

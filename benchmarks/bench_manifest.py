@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Load time of a 1,000,000-entry manifest (``stagingloader.manifest.Manifest.load``).
+"""Load time of a 1,000,000-entry manifest (``stagingloader.cache.manifest.Manifest.load``).
 
     python benchmarks/bench_manifest.py [--entries 1000000] [--repeats 3] [--out results.json]
 
@@ -27,7 +27,7 @@ import _bench as B
 LOADER = r"""
 import json, sys, time
 t0 = time.perf_counter()
-from stagingloader.manifest import Manifest
+from stagingloader.cache.manifest import Manifest
 t1 = time.perf_counter()
 m = Manifest.load(sys.argv[1])
 t2 = time.perf_counter()
@@ -40,7 +40,7 @@ print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "index_s": t3 - t2, "e
 def build(n: int, path: Path) -> dict[str, float]:
     import xxhash
 
-    from stagingloader.manifest import Manifest
+    from stagingloader.cache.manifest import Manifest
 
     t0 = time.perf_counter()
     paths = [f"train/d{i // 1000:04d}/img{i:07d}.jpg" for i in range(n)]

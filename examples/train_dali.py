@@ -54,7 +54,7 @@ def main() -> int:
 
     from nvidia.dali import fn, types
 
-    from stagingloader.dali import DALILoader
+    from stagingloader.backends.dali import DALILoader
 
     tmp = tempfile.TemporaryDirectory(prefix="stagingloader-example-")
     source = args.source or str(sample_images(Path(tmp.name) / "images"))

@@ -7,21 +7,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from typing import Any, Literal, overload
 
-from .dataset import StagedDataset, StageReport, VerifyReport
+from .cache.manifest import Manifest
 from .errors import (
+    CacheError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
     DatasetNotFoundError,
     DrainError,
+    ExitCode,
+    InternalError,
     LockTimeoutError,
     ManifestError,
     MissingDependencyError,
     NoSpaceError,
     RootError,
     SourceAccessError,
+    SourceChangedError,
     SourceError,
     SourceNotFoundError,
     StagingError,
@@ -29,9 +34,9 @@ from .errors import (
     UsageError,
     VerificationError,
 )
-from .manifest import Manifest
-from .stager import StageOptions, StagePlan
-from .verify import verify
+from .staging.result import StagedDataset, StageReport, VerifyReport
+from .staging.stager import StageOptions, StagePlan
+from .staging.verify import verify
 
 __version__ = "0.1.0"
 
@@ -57,15 +62,15 @@ def __getattr__(name: str) -> Any:
 
 @overload
 def stage(
-    src: str,
-    root: str = "auto",
+    src: str | os.PathLike[str],
+    root: str | os.PathLike[str] = "auto",
     *,
     storage_options: dict[str, Any] | None = None,
     endpoint_url: str | None = None,
     workers: int | None = None,
     verify: str = "fast",
-    include: Sequence[str] = (),
-    exclude: Sequence[str] = (),
+    include: str | Sequence[str] = (),
+    exclude: str | Sequence[str] = (),
     fsync: bool | None = None,
     max_ram_fraction: float = 0.5,
     lock_timeout: float | None = 3600.0,
@@ -75,20 +80,21 @@ def stage(
     callback: Any = None,
     on_event: Callable[[str], None] | None = None,
     distributed: bool = False,
+    options: StageOptions | None = None,
 ) -> StagedDataset: ...
 
 
 @overload
 def stage(
-    src: str,
-    root: str = "auto",
+    src: str | os.PathLike[str],
+    root: str | os.PathLike[str] = "auto",
     *,
     storage_options: dict[str, Any] | None = None,
     endpoint_url: str | None = None,
     workers: int | None = None,
     verify: str = "fast",
-    include: Sequence[str] = (),
-    exclude: Sequence[str] = (),
+    include: str | Sequence[str] = (),
+    exclude: str | Sequence[str] = (),
     fsync: bool | None = None,
     max_ram_fraction: float = 0.5,
     lock_timeout: float | None = 3600.0,
@@ -98,19 +104,20 @@ def stage(
     callback: Any = None,
     on_event: Callable[[str], None] | None = None,
     distributed: bool = False,
+    options: StageOptions | None = None,
 ) -> StagePlan: ...
 
 
 def stage(
-    src: str,
-    root: str = "auto",
+    src: str | os.PathLike[str],
+    root: str | os.PathLike[str] = "auto",
     *,
     storage_options: dict[str, Any] | None = None,
     endpoint_url: str | None = None,
     workers: int | None = None,
     verify: str = "fast",
-    include: Sequence[str] = (),
-    exclude: Sequence[str] = (),
+    include: str | Sequence[str] = (),
+    exclude: str | Sequence[str] = (),
     fsync: bool | None = None,
     max_ram_fraction: float = 0.5,
     lock_timeout: float | None = 3600.0,
@@ -120,42 +127,63 @@ def stage(
     callback: Any = None,
     on_event: Callable[[str], None] | None = None,
     distributed: bool = False,
+    options: StageOptions | None = None,
 ) -> StagedDataset | StagePlan:
     """Stage ``src`` (any fsspec URL) onto node-local storage; block until staged and verified.
 
-    Keyword arguments mirror ``stagingloader stage``'s options.  Returns a
+    Keyword arguments mirror ``stagingloader stage``'s options; ``options=StageOptions(...)`` carries the same
+    settings as one frozen object instead (not both).  Returns a
     :class:`StagedDataset` holding a lease for this process (dropped by ``.release()``, or when
     the process ends); with ``dry_run=True``, the :class:`StagePlan` instead.  ``callback`` is an
     fsspec-style progress callback (``set_size``/``relative_update``, in bytes).  With
     ``distributed=True`` (torchrun or srun), one process per node stages and the others wait;
     all return the same dataset (see :mod:`stagingloader.distributed`).
     """
-    from .stager import run_stage
+    from .staging.stager import run_stage
 
-    options = dict(storage_options or {})
+    if not isinstance(src, (str, os.PathLike)):
+        raise UsageError(f"src must be a path or a URL such as s3://bucket/prefix, not {type(src).__name__} {src!r}")
+    src = os.fspath(src)
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise UsageError(f"storage_options must be a dict of fsspec options (e.g. {{'anon': True}}), "
+                         f"not {type(storage_options).__name__} {storage_options!r}")
+    so = dict(storage_options or {})
     if endpoint_url:
-        options.setdefault("endpoint_url", endpoint_url)
-    opts = StageOptions(root=root, workers=workers, verify=verify, include=tuple(include), exclude=tuple(exclude),
+        so.setdefault("endpoint_url", endpoint_url)
+    opts = StageOptions(root=os.fspath(root), workers=workers, verify=verify, include=_patterns(include),
+                        exclude=_patterns(exclude),
                         fsync=fsync, max_ram_fraction=max_ram_fraction, lock_timeout=lock_timeout,
-                        dry_run=dry_run, shard=shard, lease=lease, storage_options=options)
+                        dry_run=dry_run, shard=shard, lease=lease, storage_options=so)
+    if options is not None:
+        given = sorted(f.name for f in fields(StageOptions) if getattr(opts, f.name) != getattr(StageOptions(), f.name))
+        if given:
+            raise UsageError(f"pass the options either as options=StageOptions(...) or as keywords, not both "
+                             f"(got options= and {', '.join(given)})")
+        opts = options
     env = dict(os.environ)
     if distributed:
-        from .distributed import run_once_per_node
+        from .staging.distributed import run_once_per_node
 
         return run_once_per_node(lambda: run_stage(src, opts, env=env, callback=callback, on_event=on_event,
                                                    pid_lease=lease is None), env)
     return run_stage(src, opts, env=env, callback=callback, on_event=on_event, pid_lease=lease is None)
 
 
+def _patterns(value: str | Sequence[str]) -> tuple[str, ...]:
+    """``include="*.jpg"`` is one pattern, not five characters."""
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
 def write_manifest(src: str, dest: str | None = None, *, storage_options: dict[str, Any] | None = None,
                    workers: int | None = None, callback: Any = None) -> tuple[str, Manifest]:
     """Hash every file of ``src`` and write a digest manifest next to it (or to ``dest``)."""
-    from .source_manifest import write_source_manifest
+    from .staging.source_manifest import write_source_manifest
 
     return write_source_manifest(src, dest, storage_options=storage_options, workers=workers, callback=callback)
 
 
 __all__ = [
+    "CacheError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -163,6 +191,8 @@ __all__ = [
     "DataLoader",
     "DatasetNotFoundError",
     "DrainError",
+    "ExitCode",
+    "InternalError",
     "LoaderStats",
     "LockTimeoutError",
     "Manifest",
@@ -171,6 +201,7 @@ __all__ = [
     "NoSpaceError",
     "RootError",
     "SourceAccessError",
+    "SourceChangedError",
     "SourceError",
     "SourceNotFoundError",
     "StageOptions",

@@ -21,13 +21,18 @@ class ExitCode(IntEnum):
     LOCK_TIMEOUT = 5
     ROOT = 6
     MANIFEST = 7
+    FAILED = 8
+    INTERNAL = 70
     INTERRUPTED = 130
 
 
 class StagingError(Exception):
-    """Base of every error stagingloader raises on purpose."""
+    """Base of every error stagingloader raises on purpose.
 
-    exit_code: ExitCode = ExitCode.VERIFY_FAILED
+    A subclass sets its own ``exit_code``; the base's is the generic "failed" (8), never a specific one.
+    """
+
+    exit_code: ExitCode = ExitCode.FAILED
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else self.__class__.__name__
@@ -73,6 +78,11 @@ class RootError(StagingError, OSError):
     exit_code = ExitCode.ROOT
 
 
+class CacheError(RootError):
+    """The node cache holds something stagingloader did not write there: a foreign folder, a link, a file where a
+    folder belongs.  The message names it and what to remove."""
+
+
 class NoSpaceError(StagingError, OSError):
     """The dataset does not fit the root (free space, or the memory budget of a tmpfs)."""
 
@@ -101,6 +111,12 @@ class DatasetNotFoundError(StagingError, LookupError):
     """No staged dataset matches the path or source given."""
 
     exit_code = ExitCode.USAGE
+
+
+class InternalError(StagingError, RuntimeError):
+    """A check of stagingloader's own consistency failed: a bug, to report with the message."""
+
+    exit_code = ExitCode.INTERNAL
 
 
 class CheckpointError(StagingError):

@@ -16,6 +16,38 @@ import pytest
 from tests.support.trees import make_tree
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--strict-skips", action="store_true",
+                     help="fail every skip but those of tests marked gpu (make test and CI pass it: a skip must not "
+                          "hide a broken feature, such as Slurm that did not install or an S3 server that did not "
+                          "start)")
+
+
+def _skip_reason(longrepr: Any) -> str:
+    return str(longrepr[-1]) if isinstance(longrepr, tuple) else str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()  # type: ignore[attr-defined]
+    if (rep.skipped and item.config.getoption("--strict-skips") and item.get_closest_marker("gpu") is None
+            and not hasattr(rep, "wasxfail")):
+        rep.outcome = "failed"
+        rep.longrepr = (f"skipped ({_skip_reason(rep.longrepr)}), but only tests marked gpu may skip under "
+                        "--strict-skips: install what it needs or fix what it found")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()  # type: ignore[attr-defined]
+    if rep.skipped and collector.config.getoption("--strict-skips"):
+        rep.outcome = "failed"
+        rep.longrepr = (f"{collector.nodeid} was skipped whole ({_skip_reason(rep.longrepr)}); under --strict-skips "
+                        "only tests marked gpu may skip")
+
+
 @pytest.fixture
 def src(tmp_path: Path) -> Path:
     """A small source tree: 40 labelled files in two classes, one nested deeper, one empty file."""

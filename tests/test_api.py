@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 import stagingloader as sl
 
@@ -11,12 +14,13 @@ import stagingloader as sl
 def test_exported_names_are_pinned() -> None:
     assert sl.__all__ == sorted(sl.__all__)
     assert sl.__all__ == [
-        "CheckpointCorruptError", "CheckpointError", "CheckpointNotFoundError", "Checkpoints", "DataLoader",
-        "DatasetNotFoundError", "DrainError", "LoaderStats", "LockTimeoutError", "Manifest", "ManifestError",
-        "MissingDependencyError", "NoSpaceError", "RootError", "SourceAccessError", "SourceError",
-        "SourceNotFoundError", "StageOptions", "StagePlan", "StageReport", "StagedArrays", "StagedDataset",
-        "StagedFiles", "StagingError", "UnsafePathError", "UsageError", "VerificationError", "VerifyReport",
-        "__version__", "diagnose", "stage", "verify", "write_manifest",
+        "CacheError", "CheckpointCorruptError", "CheckpointError", "CheckpointNotFoundError", "Checkpoints",
+        "DataLoader", "DatasetNotFoundError", "DrainError", "ExitCode", "InternalError", "LoaderStats",
+        "LockTimeoutError", "Manifest", "ManifestError", "MissingDependencyError", "NoSpaceError", "RootError",
+        "SourceAccessError", "SourceChangedError", "SourceError", "SourceNotFoundError", "StageOptions",
+        "StagePlan", "StageReport", "StagedArrays", "StagedDataset", "StagedFiles", "StagingError",
+        "UnsafePathError", "UsageError", "VerificationError", "VerifyReport", "__version__", "diagnose",
+        "stage", "verify", "write_manifest",
     ]
     for name in sl.__all__:
         assert hasattr(sl, name)
@@ -36,11 +40,29 @@ def test_exception_tree() -> None:
     assert {e.exit_code for e in (sl.VerificationError("x"), sl.UsageError("x"), sl.NoSpaceError("x"),
                                   sl.SourceError("x"), sl.LockTimeoutError("x"), sl.RootError("x"),
                                   sl.ManifestError("x"))} == {1, 2, 3, 4, 5, 6, 7}
+    # the base is the generic failure, so a subclass that forgets its own code never claims a specific one
+    assert sl.StagingError("x").exit_code == sl.ExitCode.FAILED == 8
+    assert sl.InternalError("x").exit_code == 70 and sl.CacheError("x").exit_code == sl.ExitCode.ROOT
+    assert issubclass(sl.SourceChangedError, sl.SourceError) and issubclass(sl.CacheError, OSError)
 
 
-def test_bad_options_are_value_errors() -> None:
-    import pytest
-
+def test_bad_options_are_value_errors(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.bin").write_bytes(b"a")
+    (tmp_path / "root").mkdir()
     for kwargs in ({"workers": 0}, {"verify": "sometimes"}, {"max_ram_fraction": 2.0}, {"shard": (2, 2)}):
         with pytest.raises(sl.UsageError):
-            sl.stage("/tmp", root="/tmp", **kwargs)  # type: ignore[call-overload]
+            sl.stage(str(tmp_path / "src"), root=str(tmp_path / "root"), **kwargs)  # type: ignore[call-overload]
+    assert list((tmp_path / "root").iterdir()) == []  # refused before anything was written
+
+
+def test_stage_takes_a_stage_options_object(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.bin").write_bytes(b"abc")
+    opts = sl.StageOptions(root=str(tmp_path / "root"), workers=1, verify="full")
+    (tmp_path / "root").mkdir()
+    with sl.stage(str(tmp_path / "src"), options=opts) as ds:
+        assert (ds.root / "a.bin").read_bytes() == b"abc"
+        assert ds.dataset_dir.parent == tmp_path / "root"
+    with pytest.raises(sl.UsageError, match="options="):
+        sl.stage(str(tmp_path / "src"), options=opts, workers=2)

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from ..cache.tiers import GDS_FS
 from ..errors import MissingDependencyError, UsageError
-from ..storage import GDS_FS
 
 BACKENDS = ("auto", "torch", "dali", "gds")
 GDS_INSTALL = "pip install 'stagingloader[gds]'  (kvikio), or a PyTorch built with cuFile (torch.cuda.gds)"
@@ -72,8 +72,8 @@ def gds_eligible(dataset: Any) -> str:
 
 def gds_blocker(dataset: Any, device: torch.device | None, need_cufile: bool = True) -> str:
     """Why GPUDirect Storage cannot feed this dataset to this device, or "" if it can."""
+    from ..cache.tiers import mount_of
     from ..loader.datasets import root_of
-    from ..storage import mount_of
 
     if device is None or device.type != "cuda":
         return "GDS reads into GPU memory and no CUDA device was asked for (device='cuda')"

@@ -27,9 +27,10 @@ from types import TracebackType
 from typing import IO, Any, cast
 
 from .. import digest as dg
+from ..cache.manifest import Manifest
+from ..cache.tiers import free_bytes
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, NoSpaceError, UsageError
-from ..manifest import Manifest
-from ..storage import free_bytes, human_bytes
+from ..units import human_bytes
 from .drain import Drainer
 from .layout import OBJECT_FILE, marker_for, step_name
 from .restore import candidates, ensure_local

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, ExitCode, StagingError, UsageError
-from ..storage import human_bytes
+from ..units import human_bytes
 from .layout import step_name
 from .restore import ensure_local
 from .settings import read_settings

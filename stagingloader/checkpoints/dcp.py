@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ..cache.manifest import Manifest
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, DrainError, UsageError
-from ..manifest import Manifest
 from .api import Checkpoints
 from .layout import marker_files, marker_for, step_name
 from .tiers import CHUNK, FolderTier, hash_file_on, is_complete

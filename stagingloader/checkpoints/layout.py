@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import re
 
+from ..cache.manifest import Entry, Manifest
 from ..errors import UsageError
-from ..manifest import Entry, Manifest
 
 STEP_PREFIX = "step-"
 MARKER = ".stagingloader-checkpoint.json"

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
+from ..cache.manifest import Manifest
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
-from ..manifest import Manifest
 from .layout import step_name
 from .tiers import FolderTier, Tier, complete_steps, latest_complete, verify_step
 from .transfer import TransferPolicy, copy_step

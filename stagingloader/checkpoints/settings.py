@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from ..errors import ManifestError
-from ..storage import atomic_write
+from ..fsio import atomic_write
 from .layout import SETTINGS
 
 _SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
-from ..storage import human_bytes
+from ..units import human_bytes
 
 
 class HostSnapshot:

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from .. import digest as dg
+from ..cache.manifest import Manifest
+from ..cache.tiers import mount_of
 from ..errors import ManifestError, MissingDependencyError, UsageError
-from ..manifest import Manifest
-from ..storage import atomic_write, fsync_dir, mount_of
+from ..fsio import atomic_write, fsync_dir
 from .layout import MARKER, TMP_PREFIX, parse_step, step_name
 
 log = logging.getLogger(__name__)

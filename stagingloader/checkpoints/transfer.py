@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .. import digest as dg
+from ..cache.manifest import Manifest
 from ..errors import CheckpointCorruptError, DrainError, StagingError
-from ..manifest import Manifest
-from ..retry import is_permanent
+from ..staging.retry import is_permanent
 from .drain import lower_priority
 from .layout import MARKER, step_name
 from .tiers import CHUNK, Tier, hash_file_on

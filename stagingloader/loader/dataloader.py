@@ -39,8 +39,8 @@ def _node_sampler(dataset: Any, shard: str, sampler: Any, batch_sampler: Any, sh
     its samples are split between the node's ranks by a DistributedSampler."""
     import os
 
-    from ..distributed import ranks
     from ..errors import UsageError
+    from ..staging.distributed import ranks
 
     if shard != "node":
         raise UsageError(f'shard must be "node" or None, not {shard!r}')
@@ -388,7 +388,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     @staticmethod
     def _on_disk_tier(dataset: Any) -> bool:
-        from ..storage import mount_of
+        from ..cache.tiers import mount_of
         from .datasets import root_of
 
         root = root_of(dataset)

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from ..dataset import StagedDataset
-from ..layout import DatasetDir, find_dataset_dir
+from ..cache.layout import DatasetDir, find_dataset_dir
+from ..staging.result import StagedDataset
 from .collate import GatheredBatch
 from .slots import SlotPool
 from .stats import DECODE_S, READ_BYTES, READ_S, WorkerClock

@@ -239,7 +239,7 @@ class LoaderStats:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the stats as JSON (``stagingloader stats FILE`` reads it)."""
-        from ..storage import atomic_write
+        from ..fsio import atomic_write
 
         atomic_write(Path(path), json.dumps(self.to_dict()).encode())
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from ..storage import parse_bytes
+from ..units import parse_bytes
 from .request import toml_module
 
 DEFAULT_CONFIG = "/etc/stagingloader/config.toml"

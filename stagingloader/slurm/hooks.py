@@ -23,11 +23,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..capacity import check_root
+from ..cache.capacity import check_root
+from ..cache.housekeeping import gc
+from ..cache.layout import DatasetDir
+from ..cache.leases import release
 from ..errors import RootError, StagingError, UsageError
-from ..housekeeping import gc
-from ..layout import DatasetDir
-from ..leases import release
 from . import config as site_config
 from .identity import JobUser, run_worker
 from .nodelist import node_index
@@ -403,8 +403,8 @@ def _epilog(cfg: site_config.SiteConfig, job: str, user: JobUser, status: dict[s
 
 def _datasets_named(root: str, d: dict[str, Any], user: JobUser) -> list[Path]:
     """Dataset folders in ``root`` made for this request's source (read as root only in root-owned folders)."""
-    from ..layout import dataset_key
-    from ..sources import Source
+    from ..cache.layout import dataset_key
+    from ..staging.sources import Source
 
     try:
         identity = Source(d["src"]).identity()

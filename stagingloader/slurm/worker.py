@@ -17,23 +17,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import housekeeping, leases
-from ..capacity import tier_of
-from ..dataset import StagedDataset
+from ..cache import housekeeping, leases
+from ..cache.capacity import tier_of
+from ..cache.layout import DatasetDir
+from ..cache.locking import DatasetLock
 from ..errors import NoSpaceError, StagingError, UsageError
-from ..layout import DatasetDir
-from ..locking import DatasetLock
-from ..sources import Source
-from ..stager import StageOptions, run_stage
+from ..staging.result import StagedDataset
+from ..staging.sharding import take_shard
+from ..staging.sources import Source
+from ..staging.stager import StageOptions, run_stage
 
 
 def _stage(op: dict[str, Any]) -> dict[str, Any]:
     os.umask(0o022 if op.get("shared") else 0o077)
     shard = (int(op["shard"][0]), int(op["shard"][1])) if op.get("shard") else None
     source = Source(op["src"])
-    listing = source.listing()
-    if shard:
-        listing = listing[shard[0]::shard[1]]
+    listing = take_shard(source.listing(), shard)
     total = sum(f.size for f in listing)
     roots = [Path(r) for r in op["roots"]]
     fraction = float(op.get("max_ram_fraction", 0.5))
@@ -74,9 +73,7 @@ def _release(op: dict[str, Any]) -> dict[str, Any]:
         if lock.try_acquire():
             try:
                 if ddir.current() is None and not leases.live(ddir):
-                    doomed = ddir.path.with_name(f".deleting-{ddir.key}-{os.getpid()}")
-                    os.rename(ddir.path, doomed)
-                    shutil.rmtree(doomed, ignore_errors=True)
+                    ddir.remove()
                     removed = True
                 elif ddir.incoming.exists():
                     shutil.rmtree(ddir.incoming, ignore_errors=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from stagingloader.manifest import Manifest
+from stagingloader.cache.manifest import Manifest
 
 
 def check_invariant(root: Path, expected: dict[str, str]) -> dict[str, int]:

@@ -1,0 +1,116 @@
+"""Leases: who uses which version of a staged dataset.  Eviction never removes a leased version.
+
+A lease is a small JSON file under ``<dataset>/leases/``.  It is either *named* (the CLI's
+``stage`` takes one per user or Slurm job; ``release`` drops it) or tied to a *process*
+(``stagingloader.stage()`` in a training script): a process lease on this host whose process
+has ended (pid gone, or reused by another process) is stale and removed when seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import UsageError
+from ..fsio import atomic_write
+from .layout import DatasetDir
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9._@+-]{1,128}$")
+
+
+@dataclass(frozen=True)
+class Lease:
+    name: str
+    version: str
+    user: str
+    host: str
+    created: float
+    pid: int | None = None
+    pid_start: int | None = None
+    expires: float | None = None
+
+    def alive(self, now: float | None = None) -> bool:
+        if self.expires is not None and (now or time.time()) > self.expires:
+            return False
+        if self.pid is None or self.host != socket.gethostname():
+            return True
+        return _process_start(self.pid) == self.pid_start
+
+
+def _process_start(pid: int) -> int | None:
+    """The start time of a process (clock ticks since boot), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def default_lease_name(env: dict[str, str] | None = None) -> str:
+    """The CLI's lease: one per Slurm job, else one per user."""
+    env = dict(os.environ) if env is None else env
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm-job-{env['SLURM_JOB_ID']}"
+    from .layout import current_user
+
+    return f"user-{current_user()}"
+
+
+def check_name(name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise UsageError(f"bad lease name {name!r}: use letters, digits and ._@+- (at most 128)")
+    return name
+
+
+def take(ddir: DatasetDir, version: str, *, name: str | None = None, pid: int | None = None,
+         ttl: float | None = None) -> Lease:
+    """Record a lease on ``version``; a process lease when ``pid`` is given, else a named one."""
+    from .layout import current_user
+
+    if name is None:
+        if pid is None:
+            raise UsageError("a lease needs a name or a pid")
+        name = f"pid-{socket.gethostname()}-{pid}-{secrets.token_hex(3)}"
+    now = time.time()
+    lease = Lease(check_name(name), version, current_user(), socket.gethostname(), now, pid,
+                  _process_start(pid) if pid is not None else None, now + ttl if ttl else None)
+    ddir.leases.mkdir(exist_ok=True)
+    atomic_write(ddir.leases / f"{lease.name}.json", json.dumps(asdict(lease)).encode())
+    return lease
+
+
+def release(ddir: DatasetDir, name: str) -> bool:
+    """Drop a lease; True if it existed."""
+    try:
+        (ddir.leases / f"{check_name(name)}.json").unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def live(ddir: DatasetDir) -> list[Lease]:
+    """The leases still in force; stale ones are removed on the way."""
+    out = []
+    now = time.time()
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(ddir.leases):
+            if not entry.name.endswith(".json"):
+                continue
+            try:
+                lease = Lease(**json.loads(Path(entry.path).read_text()))
+            except (OSError, ValueError, TypeError):
+                continue
+            if lease.alive(now):
+                out.append(lease)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+    return out

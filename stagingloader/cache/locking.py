@@ -1,0 +1,124 @@
+"""The per-dataset staging lock: ``flock`` on a file, so a dead holder's lock frees itself.
+
+The holder writes who it is (pid, host, user, since) beside the lock, so a waiter can say whom
+it waits for.  A lock file that was deleted (gc removed the dataset) while a waiter slept is
+detected by comparing inodes, and the waiter tries again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from ..errors import LockTimeoutError
+from .layout import current_user
+
+log = logging.getLogger(__name__)
+
+
+def _holder_text(info_path: Path) -> str:
+    try:
+        info = json.loads(info_path.read_text())
+        age = time.time() - float(info.get("since", time.time()))
+        return f"pid {info.get('pid')} on {info.get('host')} (user {info.get('user')}, for {age:.0f}s)"
+    except (OSError, ValueError):
+        return "another process"
+
+
+class DatasetLock:
+    """An exclusive lock on a dataset folder; use as a context manager."""
+
+    def __init__(self, lock_file: Path, *, timeout: float | None = 3600.0,
+                 on_wait: Callable[[str], None] | None = None, poll: float = 0.05) -> None:
+        self.lock_file = lock_file
+        self.info_file = lock_file.with_name(lock_file.name + ".info")
+        self.timeout = timeout
+        self.on_wait = on_wait or (lambda text: log.info("%s", text))
+        self.poll = poll
+        self._fd: int | None = None
+
+    def try_acquire(self) -> bool:
+        """Take the lock if free; never wait."""
+        return self._acquire(blocking=False)
+
+    def acquire(self) -> None:
+        if not self._acquire(blocking=True):
+            raise LockTimeoutError(
+                f"timed out after {self.timeout:.0f}s waiting for {_holder_text(self.info_file)} "
+                f"to finish staging into {self.lock_file.parent}; retry later or raise --lock-timeout"
+            )
+
+    def _acquire(self, blocking: bool) -> bool:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        told = 0.0
+        while True:
+            self.lock_file.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if not blocking:
+                    return False
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return False
+                if now - told >= 10.0:
+                    self.on_wait(f"waiting for {_holder_text(self.info_file)}, "
+                                 f"which is staging {self.lock_file.parent.name}")
+                    told = now
+                time.sleep(self.poll)
+                continue
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.lock_file).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            self._fd = fd
+            info = {"pid": os.getpid(), "host": socket.gethostname(), "user": current_user(), "since": time.time()}
+            with contextlib.suppress(OSError):
+                self.info_file.write_text(json.dumps(info))
+            return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                self.info_file.unlink()
+            os.close(self._fd)
+            self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __enter__(self) -> DatasetLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()
+
+
+def is_locked(lock_file: Path) -> bool:
+    """Is a stager working on this dataset right now?"""
+    try:
+        fd = os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

@@ -1,0 +1,307 @@
+"""The CLI's commands: each takes the parsed arguments, prints for people, returns (exit code, JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from datetime import datetime
+from typing import Any
+
+from ..cache import housekeeping, leases
+from ..cache.layout import DatasetDir, dataset_key
+from ..errors import ExitCode, UsageError
+from ..staging.result import StagedDataset
+from ..staging.sources import Source
+from ..staging.stager import StageOptions, StagePlan, run_stage
+from ..units import human_bytes
+from .progress import make_progress
+
+Result = tuple[int, Any]
+
+
+def _out(args: argparse.Namespace, text: str) -> None:
+    if not args.json:
+        print(text, flush=True)
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:.2f} GB/s" if seconds > 0 and nbytes else "-"
+
+
+def cmd_stage(args: argparse.Namespace) -> Result:
+    env = dict(os.environ)
+    opts = StageOptions(root=args.root, workers=args.workers, verify=args.verify, include=tuple(args.include),
+                        exclude=tuple(args.exclude), fsync=args.fsync, max_ram_fraction=args.max_ram_fraction,
+                        lock_timeout=args.lock_timeout, dry_run=args.dry_run, shard=_shard(args.shard, env),
+                        lease=args.lease or leases.default_lease_name(env), storage_options=args.storage_options)
+    progress = make_progress(args.quiet or args.json)
+    try:
+        result = run_stage(args.src, opts, env=env, callback=progress, on_file=progress.file_done)
+    finally:
+        progress.close()
+    if isinstance(result, StagePlan):
+        return _print_plan(args, result)
+    return ExitCode.OK, _print_staged(args, result)
+
+
+def _shard(shard: tuple[int, int] | str | None, env: dict[str, str]) -> tuple[int, int] | None:
+    if shard == "node":
+        from ..staging.sharding import node_shard
+
+        node, nodes = node_shard(env)
+        return None if nodes == 1 else (node, nodes)  # one node holds everything: the unsharded copy
+    return None if isinstance(shard, str) else shard
+
+
+def _print_plan(args: argparse.Namespace, sp: StagePlan) -> Result:
+    p = sp.plan
+    if p.up_to_date:
+        what = "nothing to copy: the staged copy is up to date"
+    else:
+        reasons = ", ".join(f"{n} {r}" for r, n in sorted(p.reasons.items())) or "none"
+        what = (f"copy {len(p.copy)} files ({human_bytes(p.bytes_to_copy)}: {reasons}), "
+                f"reuse {p.reused_files}, drop {p.removed} gone from the source")
+    fits = "fits" if p.fits else "does NOT fit"
+    _out(args, f"dry run: {sp.source}\n  {p.total_files} files, {human_bytes(p.total_bytes)}\n  {what}\n"
+               f"  into {sp.dataset_dir} ({sp.root_reason})\n  {fits}: "
+               f"{human_bytes(p.bytes_to_copy)} needed, {human_bytes(p.free_bytes or 0)} available")
+    return (ExitCode.OK if p.fits else ExitCode.NO_SPACE), {"ok": p.fits, "dry_run": True, **sp.to_dict()}
+
+
+def _print_staged(args: argparse.Namespace, ds: StagedDataset) -> dict[str, Any]:
+    r = ds.report
+    assert r is not None
+    if r.new_version:
+        parts = [f"copied {r.copied_files} files ({human_bytes(r.copied_bytes)})"]
+        if r.resumed_bytes:
+            parts.append(f"resumed {human_bytes(r.resumed_bytes)} already copied")
+        if r.reused_files:
+            parts.append(f"reused {r.reused_files}")
+        if r.repaired_files:
+            parts.append(f"repaired {r.repaired_files}")
+        if r.removed_files:
+            parts.append(f"dropped {r.removed_files} gone from the source")
+        what = ", ".join(parts)
+    else:
+        what = f"already staged and verified: reused all {r.files} files"
+    _out(args, f"staged {r.source}\n  {what}\n  {r.files} files, {human_bytes(r.bytes)} in {r.seconds:.2f}s "
+               f"({_rate(r.copied_bytes, r.seconds)}), version {r.version}, {r.tier} ({r.root_reason})\n"
+               f"  lease: {ds.lease}\n{ds.root}")
+    return {"ok": True, "root": str(ds.root), "lease": ds.lease, **r.to_dict()}
+
+
+def cmd_verify(args: argparse.Namespace) -> Result:
+    from ..staging.verify import verify
+
+    ddir = _find(args)
+    progress = make_progress(args.quiet or args.json, "verifying")
+    version = ddir.current()
+    if version is not None:
+        progress.set_size(ddir.load_manifest(version).total_bytes)
+    try:
+        report = verify(ddir.path, workers=args.workers, on_bytes=progress.relative_update)
+    finally:
+        progress.close()
+    for rel in report.bad:
+        _out(args, f"BAD      {rel}: {report.details.get(rel, '')}")
+    for rel in report.missing:
+        _out(args, f"MISSING  {rel}")
+    verdict = "OK" if report.ok else f"{len(report.bad)} bad, {len(report.missing)} missing"
+    hint = "" if report.ok else "\n  run `stagingloader stage SRC` again to repair them"
+    _out(args, f"verify {report.dataset} ({report.version}): {verdict}; {report.checked_files} files, "
+               f"{human_bytes(report.checked_bytes)} in {report.seconds:.2f}s "
+               f"({_rate(report.checked_bytes, report.seconds)}){hint}")
+    return (ExitCode.OK if report.ok else ExitCode.VERIFY_FAILED), report.to_dict()
+
+
+def cmd_ls(args: argparse.Namespace) -> Result:
+    infos = housekeeping.list_datasets(args.root, dict(os.environ))
+    if not args.json:
+        if not infos:
+            print("nothing staged (looked in: "
+                  + ", ".join(map(str, housekeeping.roots(args.root, dict(os.environ)))) + ")")
+        for i in infos:
+            used = datetime.fromtimestamp(i.last_used).strftime("%Y-%m-%d %H:%M") if i.last_used else "never"
+            print(f"{i.state:<10} {i.version or '-':<4} {human_bytes(i.bytes):>10} {i.files:>8} files  "
+                  f"used {used}  leases: {', '.join(i.leases) or 'none'}\n           {i.source}\n           {i.path}")
+    return ExitCode.OK, {"datasets": [i.to_dict() for i in infos]}
+
+
+def cmd_gc(args: argparse.Namespace) -> Result:
+    result = housekeeping.gc(args.root, args.keep_bytes, dict(os.environ), dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    _out(args, f"{verb} {len(result['removed'])}: {', '.join(result['removed']) or 'nothing'}; "
+               f"{human_bytes(result['remaining_bytes'])} stay staged (budget {human_bytes(args.keep_bytes)})"
+               + (f"; kept in use: {', '.join(result['busy'])}" if result["busy"] else ""))
+    return ExitCode.OK, result
+
+
+def cmd_release(args: argparse.Namespace) -> Result:
+    ddir = _find(args)
+    name = args.lease or leases.default_lease_name()
+    dropped = leases.release(ddir, name)
+    if not dropped:
+        held = ", ".join(lease.name for lease in leases.live(ddir)) or "none"
+        raise UsageError(f"{ddir.path} has no lease named {name} (leases held: {held}); pass --lease NAME")
+    _out(args, f"released {name} on {ddir.path}")
+    return ExitCode.OK, {"ok": True, "dataset": str(ddir.path), "lease": name}
+
+
+def cmd_manifest(args: argparse.Namespace) -> Result:
+    from ..staging.source_manifest import write_source_manifest
+
+    progress = make_progress(args.quiet or args.json, "hashing")
+    t0 = time.perf_counter()
+    try:
+        where, m = write_source_manifest(args.src, args.output, storage_options=args.storage_options,
+                                         workers=args.workers, callback=progress)
+    finally:
+        progress.close()
+    seconds = time.perf_counter() - t0
+    _out(args, f"wrote {where}: {len(m)} files, {human_bytes(m.total_bytes)} hashed in {seconds:.2f}s "
+               f"({_rate(m.total_bytes, seconds)}); dataset digest {m.dataset_digest}")
+    return ExitCode.OK, {"ok": True, "manifest": where, "files": len(m), "bytes": m.total_bytes,
+                         "dataset_digest": m.dataset_digest, "seconds": seconds}
+
+
+def cmd_slurm(args: argparse.Namespace) -> Result:
+    from ..slurm import hooks
+
+    run = {"prolog": hooks.prolog, "epilog": hooks.epilog, "task-prolog": hooks.task_prolog}[args.hook]
+    try:
+        return run(dict(os.environ)), None
+    except Exception:  # a hook must never fail a job or drain a node for an error of ours
+        return ExitCode.OK, None
+
+
+def cmd_demo(args: argparse.Namespace) -> Result:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_probe(args: argparse.Namespace) -> Result:
+    from pathlib import Path
+
+    from ..advice import probe
+
+    env = dict(os.environ)
+    local = "://" not in args.target or args.target.startswith("file://")
+    path = Path(args.target.removeprefix("file://"))
+    if local and not path.exists():
+        raise UsageError(f"{args.target} does not exist; give an empty folder (a tier) or a dataset folder or URL")
+    if local and path.is_dir() and (args.force or not any(path.iterdir())):
+        res = probe.probe_tier(path, args.seconds, force=args.force)
+    else:
+        res = probe.probe_source(args.target, args.seconds, args.storage_options)
+    saved = probe.save(res, env)
+    if not args.json:
+        print(f"probe of {res.target} ({res.kind}, {res.fs_type}) in {res.seconds:.1f}s")
+        if res.seq_write_gbps is not None:
+            print(f"  sequential write  {res.seq_write_gbps:6.2f} GB/s")
+        if res.seq_read_gbps is not None:
+            print(f"  sequential read   {res.seq_read_gbps:6.2f} GB/s   ({res.cold_read})")
+        for size, phases in res.files_per_s.items():
+            print(f"  {size:>7} files   " + ", ".join(f"{k} {v:,.0f}/s" for k, v in phases.items()))
+        for op, lat in res.latency_ms.items():
+            print(f"  latency {op:<14} p50 {lat['p50']:.3f} ms  p99 {lat['p99']:.3f} ms")
+        for n, row in res.get_concurrency.items():
+            print(f"  {n:>3} in flight    {row['MB/s']:8.1f} MB/s  {row['objects/s']:8.0f} objects/s  "
+                  f"p50 {row['p50_ms']:.2f} ms  p99 {row['p99_ms']:.2f} ms")
+        print(f"  kept in {saved}")
+    return ExitCode.OK, {"ok": True, **res.to_dict(), "saved": str(saved)}
+
+
+def cmd_plan(args: argparse.Namespace) -> Result:
+    from ..advice import plan as planner
+
+    facts, notes = planner.gather(
+        args.src, samples_per_s=args.samples_per_s, gpus=args.gpus, epochs=args.epochs, job_ram=args.job_ram,
+        storage_options=args.storage_options, env=dict(os.environ), seconds=args.seconds, reuse=not args.fresh,
+        checkpoint_params=args.checkpoint_params, bytes_per_param=args.bytes_per_param,
+        checkpoint_every_min=args.checkpoint_every, tiers=args.tier)
+    plan = planner.assess(facts)
+    if not args.json:
+        print(f"{facts.source}: {facts.files} files, {human_bytes(facts.total_bytes)}, mean "
+              f"{human_bytes(facts.mean_bytes)}, p99 {human_bytes(facts.p99_bytes)}")
+        print(f"needs {plan.need_gbps:.3f} GB/s ({human_bytes(facts.mean_bytes)} x {facts.samples_per_s:g} samples/s "
+              f"x {facts.gpus} GPUs); the source delivers {facts.source_gbps:.3f} GB/s")
+        if plan.link:
+            print(plan.link)
+        print(f"{'tier':<34} {'fits':<5} {'room':>10} {'stage':>8} {'reads':>10}  GDS")
+        for t in plan.tiers:
+            stage = f"{t['stage_s']:.1f}s" if t["stage_s"] else "-"
+            print(f"{t['tier']:<34} {'yes' if t['fits'] else 'no':<5} {human_bytes(t['room_bytes']):>10} {stage:>8} "
+                  f"{t['read_gbps']:>6.2f} GB/s  {'possible' if t['gds'] else 'no'}")
+        for c in plan.checkpoint:
+            print(f"checkpoint {human_bytes(c['bytes'])} to {c['tier']}: {c['write_s']:.1f}s, "
+                  f"{100 * c['overhead']:.1f}% of every {args.checkpoint_every:g} min"
+                  f" ({'ok' if c['under_5_percent'] else 'over 5%'})")
+        for n in notes:
+            print(f"note: {n}")
+        print("\n" + plan.verdict)
+        for r in plan.reasons:
+            print(f"  - {r}")
+        if plan.command:
+            print(f"run: {plan.command}")
+    return ExitCode.OK, {"ok": True, "facts": {**facts.__dict__, "tiers": [t.__dict__ for t in facts.tiers]},
+                         **plan.to_dict(), "notes": notes}
+
+
+def cmd_stats(args: argparse.Namespace) -> Result:
+    import json
+    from pathlib import Path
+
+    try:
+        doc = json.loads(Path(args.file).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{args.file} does not exist; save stats with loader.stats.save(path)") from None
+    except ValueError:
+        raise UsageError(f"{args.file} is not JSON written by loader.stats.save()") from None
+    if not isinstance(doc, dict) or doc.get("format") != "stagingloader-stats":
+        raise UsageError(f"{args.file} is not a stagingloader stats file (written by loader.stats.save())")
+    if not args.json:
+        print(f"{'epoch':>5} {'batches':>8} {'samples/s':>10} {'MB/s':>8} {'stall':>7} {'p50 ms':>8} {'p99 ms':>8} "
+              f"{'first s':>8} {'read s':>7} {'decode s':>8} {'collate s':>9}")
+        for e in [*doc["epochs"], {**doc["total"], "epoch": "all"}]:
+            print(f"{e['epoch']!s:>5} {e['batches']:>8} {e['samples_per_s']:>10.0f} {e['bytes_per_s'] / 1e6:>8.1f} "
+                  f"{100 * e['stall_fraction']:>6.1f}% {1e3 * e['wait_p50_s']:>8.2f} {1e3 * e['wait_p99_s']:>8.2f} "
+                  f"{e['first_batch_s']:>8.2f} {e['read_s']:>7.2f} {e['decode_s']:>8.2f} {e['collate_s']:>9.2f}")
+        if doc.get("path"):
+            print(f"path: {doc['path']}")
+    if args.plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'stagingloader[plot]'") from None
+        fig, ax = plt.subplots(figsize=(10, 3.5))
+        step = 0
+        for e in doc["epochs"]:
+            waits = [1e3 * w for w in e.get("waits", [])]
+            ax.plot(range(step, step + len(waits)), waits, lw=0.8, label=f"epoch {e['epoch']}")
+            step += len(waits)
+        ax.set_xlabel("step")
+        ax.set_ylabel("wait for the batch (ms)")
+        ax.set_title(f"time the training loop waited on data ({args.file})")
+        ax.legend(loc="upper right", fontsize="small")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        if not args.json:
+            print(f"plot: {args.plot}")
+    return ExitCode.OK, {"ok": True, **doc}
+
+
+def _find(args: argparse.Namespace) -> DatasetDir:
+    """The dataset ``args.dataset`` names: its folder, its key, or its source URL."""
+
+    def key_of(url: str) -> str | None:
+        try:
+            return dataset_key(Source(url, args.storage_options).identity())
+        except Exception:  # not a readable source: it may still be a folder name or a key
+            return None
+
+    return housekeeping.find(args.dataset, args.root, dict(os.environ), key_of=key_of)

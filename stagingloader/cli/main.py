@@ -1,0 +1,299 @@
+"""The ``stagingloader`` command.  It owns the terminal: progress, summaries, ``--json``, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import ExitCode, StagingError, UsageError
+from ..units import human_bytes, parse_bytes
+from .progress import make_progress
+
+log = logging.getLogger("stagingloader")
+
+EPILOG = """\
+exit codes: 0 ok, 1 verification failed, 2 usage, 3 no space, 4 source error,
+            5 lock timeout, 6 staging root unusable, 7 bad manifest, 130 interrupted
+docs: docs/staging.md, docs/errors.md, docs/environment.md
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value} (the number of parallel copies)")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], not {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if math.isnan(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0 (inf waits for ever), not {text}")
+    return value
+
+
+def _shard(text: str) -> tuple[int, int] | str:
+    if text == "node":
+        return text
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N such as 0/4, or node, not {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise argparse.ArgumentTypeError(f"need 0 <= I < N, not {text}")
+    return i, n
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _options_file(path: str) -> dict[str, Any]:
+    """Storage options from a JSON file: secrets stay out of the command line, which every user sees in ``ps``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            opts = json.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"--options-file {path}: no such file") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--options-file {path}: not a readable JSON file ({e}); write e.g. "
+                         '{"key": "ID", "secret": "SECRET"}') from None
+    if not isinstance(opts, dict):
+        raise UsageError(f"--options-file {path}: expected a JSON object of fsspec options, e.g. "
+                         '{"key": "ID", "secret": "SECRET"}')
+    if mode & 0o077:
+        log.warning("%s can be read by other users; if it holds a secret, chmod 600 it", path)
+    return opts
+
+
+def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    if getattr(args, "options_file", None):
+        opts.update(_options_file(args.options_file))
+    for item in getattr(args, "option", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"-o expects KEY=VALUE, not {item!r} (e.g. -o anon=true -o region_name=us-east-1)")
+        try:
+            opts[key] = json.loads(value)
+        except ValueError:
+            opts[key] = value
+    if getattr(args, "endpoint_url", None):
+        opts["endpoint_url"] = args.endpoint_url
+    return opts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines, only the result")
+    common.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks on errors")
+    src_opts = argparse.ArgumentParser(add_help=False)
+    src_opts.add_argument("--endpoint-url", metavar="URL", help="S3-compatible endpoint (MinIO, Ceph, SeaweedFS...)")
+    src_opts.add_argument("-o", "--option", action="append", metavar="KEY=VALUE",
+                          help="fsspec storage option (repeatable; values parsed as JSON when they can be), "
+                               "e.g. -o anon=true -o region_name=us-east-1. Keep secrets off the command line "
+                               "(other users see it in ps): use --options-file, AWS_ACCESS_KEY_ID/"
+                               "AWS_SECRET_ACCESS_KEY, or fsspec's FSSPEC_S3_KEY/FSSPEC_S3_SECRET")
+    src_opts.add_argument("--options-file", metavar="FILE",
+                          help='fsspec storage options as a JSON object, e.g. {"key": "ID", "secret": "SECRET"} '
+                               "(chmod 600 it); -o options override it")
+    root_opt = argparse.ArgumentParser(add_help=False)
+    root_opt.add_argument("--root", default="auto", metavar="DIR|auto",
+                          help="staging root; 'auto' tries $STAGINGLOADER_ROOT, $SLURM_TMPDIR, a local $TMPDIR, "
+                               "NVMe scratch mounts, then /dev/shm (default: auto)")
+
+    p = argparse.ArgumentParser(
+        prog="stagingloader",
+        description="Stage datasets onto node-local fast storage (tmpfs, NVMe) with verified, shared caching.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from .. import __version__
+
+    p.add_argument("--version", action="version", version=f"stagingloader {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    s = sub.add_parser(
+        "stage", parents=[common, src_opts, root_opt], formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="copy a dataset onto node-local storage, verified; reuse what is already staged",
+        description="Copy SRC (a folder, an object prefix or a glob, as any fsspec URL) onto node-local "
+                    "storage. Every file is hashed (xxh3-128) as it streams in and appears under its final name "
+                    "only when whole. Staging again copies only what is new, changed, missing or corrupt; "
+                    "an interrupted run resumes.",
+        epilog="examples:\n"
+               "  stagingloader stage /nfs/datasets/imagenet/train --root /dev/shm\n"
+               "  stagingloader stage s3://bucket/shards/ --endpoint-url http://minio:9000 --workers 64\n"
+               "  stagingloader stage '/lustre/proj/data/*.npy' --dry-run\n"
+               "  DATA=$(stagingloader stage SRC --json | jq -r .root)\n\n" + EPILOG,
+    )
+    s.add_argument("src", metavar="SRC", help="source: a path, s3://bucket/prefix, gs://..., https://..., or a glob")
+    s.add_argument("--workers", type=_positive_int, metavar="N",
+                   help="parallel copies (default: 4 for paths, 32 for object stores, 16 for http); small files "
+                        "from paths use one thread or all N, whichever the copy measures faster")
+    s.add_argument("--verify", choices=("fast", "full"), default="fast",
+                   help="how to check an existing staged copy: 'fast' trusts size + mtime, 'full' re-hashes")
+    s.add_argument("--include", action="append", default=[], metavar="GLOB",
+                   help="stage only matching files (repeatable; a pattern without / matches the file name)")
+    s.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="skip matching files (repeatable)")
+    s.add_argument("--fsync", action=argparse.BooleanOptionalAction, default=None,
+                   help="fsync each file (default: on for disks, off for tmpfs, which a reboot loses anyway)")
+    s.add_argument("--max-ram-fraction", type=_fraction, default=0.5, metavar="F",
+                   help="on tmpfs, leave at least (1-F) of RAM to the job (default: 0.5)")
+    s.add_argument("--lock-timeout", type=_seconds, default=3600.0, metavar="SECONDS",
+                   help="how long to wait for another stager of the same dataset (default: 3600)")
+    s.add_argument("--dry-run", action="store_true", help="print the plan (what, how much, where, fits?) and stop")
+    s.add_argument("--shard", type=_shard, metavar="I/N|node",
+                   help="stage only shard I of N (every N-th file); 'node': this node's share of a multi-node "
+                        "job, from $SLURM_NODEID/$SLURM_NNODES (docs/slurm.md)")
+    s.add_argument("--lease", metavar="NAME",
+                   help="lease name held until `stagingloader release` (default: slurm-job-$SLURM_JOB_ID, "
+                        "else user-$USER)")
+
+    v = sub.add_parser("verify", parents=[common, src_opts, root_opt],
+                       help="re-hash a staged copy against its manifest; exit 1 if any file is bad",
+                       description="Re-hash every file of a staged dataset and compare with its manifest. "
+                                   "Bad files are listed and remembered: the next `stage` repairs them.")
+    v.add_argument("dataset", metavar="DATASET", help="a staged dataset's folder, or its source URL")
+    v.add_argument("--workers", type=_positive_int, default=4, metavar="N", help="parallel hashing (default: 4)")
+
+    ls = sub.add_parser("ls", parents=[common, root_opt], help="what is staged: source, version, size, leases, state")
+    ls.set_defaults()
+
+    g = sub.add_parser("gc", parents=[common, root_opt], help="evict least recently used datasets over a byte budget",
+                       description="Remove old versions nobody leases, then whole datasets, least recently used "
+                                   "first, until at most --keep-bytes stay. Never touches a leased or locked dataset.")
+    g.add_argument("--keep-bytes", type=_size, required=True, metavar="N", help="budget, e.g. 500G or 0")
+    g.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
+
+    r = sub.add_parser("release", parents=[common, src_opts, root_opt], help="drop a lease on a staged dataset")
+    r.add_argument("dataset", metavar="DATASET", help="a staged dataset's folder, or its source URL")
+    r.add_argument("--lease", metavar="NAME", help="the lease to drop (default: the one `stage` took here)")
+
+    m = sub.add_parser("manifest", parents=[common, src_opts],
+                       help="write digests next to the source, for end-to-end verification",
+                       description="Hash every file of SRC and write SRC/.stagingloader-manifest.json (or --output). "
+                                   "Later stages check every copied file against it.")
+    m.add_argument("src", metavar="SRC")
+    m.add_argument("--output", metavar="PATH", help="where to write the manifest (default: inside SRC)")
+    m.add_argument("--workers", type=_positive_int, metavar="N", help="parallel hashing")
+
+    pr = sub.add_parser("probe", parents=[common, src_opts],
+                        help="measure a tier's or a source's read/write bandwidth, file rate and latency",
+                        description="Measure a staging tier (an empty folder: written and read back) or a source "
+                                    "(a folder with files or an object-store URL: only read) in about --seconds. "
+                                    "Results are kept per node for `plan`.")
+    pr.add_argument("target", metavar="PATH|URL")
+    pr.add_argument("--seconds", type=float, default=30.0, help="time budget (default: 30)")
+    pr.add_argument("--force", action="store_true", help="probe a folder that is not empty (in a subfolder)")
+
+    pl = sub.add_parser("plan", parents=[common, src_opts],
+                        help="will this storage keep the GPUs fed? which tier? how long to stage?",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="List SRC, compute the bandwidth the job needs (mean sample bytes x samples/s x "
+                                    "GPUs), probe the source and the node's tiers (or reuse recent probes), and say "
+                                    "whether reading the source directly would stall, which tier fits, how long "
+                                    "staging takes, and the command to run.",
+                        epilog="example:\n  stagingloader plan /nfs/imagenet/train --samples-per-s 3000 --gpus 8 "
+                               "--epochs 90 --job-ram 64G\n\n" + EPILOG)
+    pl.add_argument("src", metavar="SRC")
+    pl.add_argument("--samples-per-s", type=float, required=True, metavar="R", help="samples per second per GPU")
+    pl.add_argument("--gpus", type=_positive_int, default=1, metavar="N")
+    pl.add_argument("--epochs", type=_positive_int, default=1, metavar="E")
+    pl.add_argument("--job-ram", type=_size, default=0, metavar="BYTES", help="RAM the job itself needs (e.g. 64G)")
+    pl.add_argument("--tier", action="append", metavar="DIR", help="tiers to consider (default: the auto candidates)")
+    pl.add_argument("--seconds", type=float, default=10.0, help="probe budget per target (default: 10)")
+    pl.add_argument("--fresh", action="store_true", help="probe again even if this node has recent probes")
+    pl.add_argument("--checkpoint-params", type=float, metavar="P", help="model parameters, for checkpoint sizing")
+    pl.add_argument("--bytes-per-param", type=float, default=12.0, help="checkpoint bytes per parameter (default 12)")
+    pl.add_argument("--checkpoint-every", type=float, default=30.0, metavar="MIN", help="minutes between checkpoints")
+
+    st = sub.add_parser("stats", parents=[common], help="a saved loader's stats as a table (and a plot)",
+                        description="Pretty-print stats saved by `loader.stats.save(path)`; --plot draws the wait "
+                                    "time of every step (needs matplotlib).")
+    st.add_argument("file", metavar="FILE")
+    st.add_argument("--plot", metavar="PNG", help="write a timeline of the wait per step")
+
+    sl = sub.add_parser("slurm", help="the Slurm hooks: prolog, epilog, task-prolog (docs/slurm.md)",
+                        description="Run as Slurm's Prolog, Epilog or TaskProlog. They read the job's request "
+                                    "(--comment \"stage=SRC[;root=auto|tmpfs|nvme][;name=N]\") from the "
+                                    "environment Slurm gives them, and exit 0 for any problem of the job's own.")
+    sl.add_argument("hook", choices=("prolog", "epilog", "task-prolog"))
+    sl.set_defaults(json=False, quiet=True, verbose=False)
+
+    d = sub.add_parser("demo", parents=[common],
+                       help="build a sample dataset, stage it, verify it, print the summary",
+                       description="Builds a labelled sample dataset (small files and a few large ones) in a local "
+                                   "folder standing in for shared storage, stages it, stages it again (reuse), "
+                                   "verifies it and prints what happened.")
+    d.add_argument("--workdir", default=os.path.join(os.getcwd(), "stagingloader-demo"), metavar="DIR",
+                   help="where the sample source lives (default: ./stagingloader-demo)")
+    d.add_argument("--root", default="auto", metavar="DIR|auto", help="staging root (default: auto)")
+    d.add_argument("--files", type=_positive_int, default=3000, metavar="N", help="small files (default: 3000)")
+    from ..checkpoints.cli import add_ckpt_parser
+
+    add_ckpt_parser(sub, [common, src_opts])
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.DEBUG if args.verbose else (logging.WARNING if args.quiet or args.json else logging.INFO)
+    logging.basicConfig(level=level, format="stagingloader: %(message)s", stream=sys.stderr)
+    from . import commands
+
+    handler: Callable[[argparse.Namespace], tuple[int, Any]] = getattr(args, "handler", None) or getattr(
+        commands, "cmd_" + args.command)
+    try:
+        args.storage_options = _storage_options(args)
+        code, result = handler(args)
+    except StagingError as e:
+        return _fail(args, str(e), e.exit_code, type(e).__name__)
+    except KeyboardInterrupt:
+        return _fail(args, "interrupted; run the same command again to resume", ExitCode.INTERRUPTED, "Interrupted")
+    except Exception as e:  # an error we did not foresee: one line, the traceback only with -v
+        if args.verbose:
+            traceback.print_exc()
+        return _fail(args, f"unexpected {type(e).__name__}: {e} (rerun with -v for details, and please report it)",
+                     70, type(e).__name__)
+    if args.json:
+        print(json.dumps(result, indent=1, default=str))
+    return int(code)
+
+
+def _fail(args: argparse.Namespace, message: str, code: int, kind: str) -> int:
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": False, "error": kind, "message": message, "exit_code": int(code)}))
+    print(f"stagingloader: error: {message}", file=sys.stderr)
+    return int(code)
+
+
+__all__ = ["build_parser", "human_bytes", "main", "make_progress"]

@@ -1,0 +1,171 @@
+"""The folder of a version being staged, and its journal: what a killed stager leaves to resume.
+
+``incoming/data/`` holds only whole, verified files (each arrived by rename from
+``incoming/.partial/``); ``journal.jsonl`` records each one's manifest entry.  A file under
+``data/`` with no journal line (the journal is flushed in batches) is deleted at resume and
+copied again; a journal line whose file is gone is forgotten.  Large files keep their
+finished ranges in ``.partial/<id>`` with a ``.ranges`` journal, so they resume mid-file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import xxhash
+
+from .. import digest as dg
+from ..cache.manifest import Entry
+from .sources import SourceFile
+
+
+def partial_id(rel: str) -> str:
+    return xxhash.xxh3_128_hexdigest(rel.encode("utf-8", "surrogateescape"))
+
+
+class Incoming:
+    """``ROOT/<key>/incoming``: a resumable, not yet published version."""
+
+    FLUSH_EVERY = 32
+    FLUSH_SECONDS = 0.1
+
+    def __init__(self, path: Path, *, fsync: bool = False) -> None:
+        self.path = path
+        self.data = path / "data"
+        self.partial = path / ".partial"
+        self.journal_path = path / "journal.jsonl"
+        self.fsync = fsync
+        self._lock = threading.Lock()
+        self._buffer: list[str] = []
+        self._last_flush = time.monotonic()
+        self._fd: int | None = None
+        self._dirs: set[str] = set()
+        self.entries: list[Entry] = []  #: every entry recorded by this process
+
+    def open(self) -> None:
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.partial.mkdir(exist_ok=True)
+        self._fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+    def close(self) -> None:
+        self.flush()
+        if self._fd is not None:
+            if self.fsync:
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+
+    # ---- journal ---------------------------------------------------------------------------
+    def record(self, entry: Entry) -> None:
+        self.record_many([entry])
+
+    def record_many(self, entries: list[Entry]) -> None:
+        lines = [json.dumps([e.path, e.size, e.mtime_ns, e.etag, e.digest], ensure_ascii=False) for e in entries]
+        with self._lock:
+            self.entries.extend(entries)
+            self._buffer.extend(lines)
+            due = len(self._buffer) >= self.FLUSH_EVERY or time.monotonic() - self._last_flush > self.FLUSH_SECONDS
+        if due:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._buffer or self._fd is None:
+                return
+            data = ("\n".join(self._buffer) + "\n").encode("utf-8", "surrogateescape")
+            self._buffer.clear()
+            self._last_flush = time.monotonic()
+            os.write(self._fd, data)
+
+    def load(self, listing: Mapping[str, SourceFile]) -> tuple[dict[str, Entry], int]:
+        """Finished files an interrupted run left, and the bytes of the others (to be removed).
+
+        A file is kept when its journal entry, or for a file the journal missed (it is flushed
+        in batches) the current listing, has its size and mtime; the latter is re-hashed here,
+        locally.  Files are under their final names only when whole, so this is safe.
+        """
+        journal: dict[str, Entry] = {}
+        try:
+            raw = self.journal_path.read_bytes()
+        except FileNotFoundError:
+            raw = b""
+        for line in raw.decode("utf-8", "surrogateescape").splitlines():
+            try:
+                path, size, mtime_ns, etag, digest = json.loads(line)
+            except (ValueError, TypeError):
+                continue  # a line torn by a kill
+            journal[path] = Entry(path, size, mtime_ns, etag, digest)
+        done: dict[str, Entry] = {}
+        stray = 0
+        buf = bytearray(dg.CHUNK)
+        for dirpath, _dirs, names in os.walk(self.data):
+            for name in names:
+                full = os.path.join(dirpath, name)
+                rel = os.path.relpath(full, self.data)
+                st = os.stat(full, follow_symlinks=False)
+                e = journal.get(rel)
+                if e is not None and st.st_size == e.size and st.st_mtime_ns == e.mtime_ns:
+                    done[rel] = e
+                    continue
+                f = listing.get(rel)
+                if e is None and f is not None and f.mtime_ns and (f.size, f.mtime_ns) == (st.st_size, st.st_mtime_ns):
+                    digest, size = dg.hash_file(full, buf)
+                    if size == f.size:
+                        done[rel] = Entry(rel, size, f.mtime_ns, f.etag, digest)
+                        continue
+                stray += st.st_size
+        return done, stray
+
+    def sweep(self, journaled: Mapping[str, Entry]) -> None:
+        """Remove files of ``data/`` not in ``journaled`` (copied again) and stale temp files."""
+        for dirpath, _dirs, files in os.walk(self.data):
+            for name in files:
+                full = os.path.join(dirpath, name)
+                if os.path.relpath(full, self.data) not in journaled:
+                    os.unlink(full)
+        try:
+            names = set(os.listdir(self.partial))
+        except FileNotFoundError:
+            return
+        for name in names:
+            stem, _, ext = name.partition(".")
+            resumable = (ext == "big" and f"{stem}.ranges" in names) or (ext == "ranges" and f"{stem}.big" in names)
+            if not resumable:
+                os.unlink(self.partial / name)
+
+    def drop(self, rels: list[str] | tuple[str, ...]) -> None:
+        for rel in rels:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.data / rel)
+
+    def rewrite_journal(self, entries: list[Entry]) -> None:
+        """Start a clean journal holding just ``entries`` (after a plan dropped stale ones)."""
+        lines = [json.dumps([e.path, e.size, e.mtime_ns, e.etag, e.digest], ensure_ascii=False) for e in entries]
+        tmp = self.journal_path.with_suffix(".tmp")
+        tmp.write_bytes(("\n".join(lines) + ("\n" if lines else "")).encode("utf-8", "surrogateescape"))
+        os.replace(tmp, self.journal_path)
+
+    # ---- files -----------------------------------------------------------------------------
+    def ensure_parent(self, final: str | Path) -> None:
+        """Create the parent folders of ``final``; refuse if one is a symlink (planted in the cache)."""
+        parent = os.path.dirname(final)
+        if parent in self._dirs:
+            return
+        os.makedirs(parent, exist_ok=True)
+        p = Path(parent)
+        data = self.data
+        while p != data and str(p) not in self._dirs:
+            if p.is_symlink():
+                raise OSError(f"refusing to write through the symlink {p}: the cache was tampered with")
+            p = p.parent
+        self._dirs.add(parent)
+
+    def remove_partials(self) -> None:
+        shutil.rmtree(self.partial, ignore_errors=True)
+        self.partial.mkdir(exist_ok=True)

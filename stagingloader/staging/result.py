@@ -1,0 +1,118 @@
+"""What staging returns: a :class:`StagedDataset` over one immutable version, and its reports."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ..cache.layout import DatasetDir
+from ..cache.manifest import Manifest
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """The summary of one ``stage``: what was copied, reused and repaired, and how fast."""
+
+    source: str
+    staging_root: str
+    tier: str
+    root_reason: str
+    dataset_dir: str
+    version: str
+    files: int
+    bytes: int
+    copied_files: int = 0
+    copied_bytes: int = 0
+    resumed_bytes: int = 0
+    reused_files: int = 0
+    linked_files: int = 0
+    repaired_files: int = 0
+    removed_files: int = 0
+    seconds: float = 0.0
+    new_version: bool = False
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.copied_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "gbps": round(self.gbps, 4)}
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The result of re-hashing a staged copy against its manifest."""
+
+    dataset: str
+    version: str
+    checked_files: int
+    checked_bytes: int
+    seconds: float
+    bad: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+    details: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad and not self.missing
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ok"] = self.ok
+        d["bad"], d["missing"] = list(self.bad), list(self.missing)
+        return d
+
+
+@dataclass(frozen=True)
+class StagedDataset:
+    """A verified, staged copy of a dataset: one immutable version under a staging root.
+
+    ``root`` mirrors the source's relative paths, so tools that expect a folder (ImageFolder,
+    DALI readers) use it as is.  Use as a context manager, or call :meth:`release`, to drop
+    the lease this object holds.
+    """
+
+    source: str
+    root: Path
+    version: str
+    dataset_dir: Path
+    manifest: Manifest
+    report: StageReport | None = None
+    lease: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.dataset_dir.name
+
+    @property
+    def files(self) -> Sequence[str]:
+        """Relative paths of the staged files, sorted."""
+        return self.manifest.path
+
+    @property
+    def total_bytes(self) -> int:
+        return self.manifest.total_bytes
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel
+
+    def release(self) -> None:
+        """Drop this object's lease; the version may then be evicted or replaced."""
+        if self.lease is not None:
+            from ..cache import leases
+
+            leases.release(DatasetDir(self.dataset_dir), self.lease)
+
+    def __enter__(self) -> StagedDataset:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return (f"StagedDataset({self.source!r}, root={str(self.root)!r}, files={len(self.files)}, "
+                f"version={self.version})")

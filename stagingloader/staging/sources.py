@@ -1,0 +1,334 @@
+"""Sources: any fsspec URL, listed as (relative path, size, fingerprint) and read by ranges.
+
+Local and mounted paths (NFS, Lustre, GPFS...) are listed with ``os.scandir`` directly: it is
+several times faster than a generic walk and lets the stager follow symlinks safely.  Every
+relative path is validated: nothing from a source can name a place outside the staging root
+(``..``, a leading ``/``) or make the stager read outside the source (a symlink pointing out).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from ..cache.manifest import SOURCE_MANIFEST_NAME, Manifest
+from ..errors import (
+    MissingDependencyError,
+    SourceError,
+    SourceNotFoundError,
+    UnsafePathError,
+    UsageError,
+)
+from .retry import RetryPolicy, as_source_error, call_with_retry, redact
+
+GLOB_CHARS = "*?["
+_INSTALL_HINTS = {
+    "s3": "pip install 'stagingloader[s3]'",
+    "s3a": "pip install 'stagingloader[s3]'",
+    "gs": "pip install gcsfs",
+    "gcs": "pip install gcsfs",
+    "http": "pip install 'stagingloader[http]'",
+    "https": "pip install 'stagingloader[http]'",
+    "az": "pip install adlfs",
+    "abfs": "pip install adlfs",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SourceFile:
+    """One file of a listing: its relative path under the source, size and fingerprint."""
+
+    rel: str
+    size: int
+    mtime_ns: int
+    etag: str = ""
+
+
+def validate_rel(rel: str) -> str:
+    """Return ``rel`` if it is a safe relative path; else raise :class:`UnsafePathError` naming it."""
+    if not rel or rel.startswith("/") or "\0" in rel or "\\" in rel:
+        raise UnsafePathError(f"refusing unsafe name {rel!r} in the source: it is empty, absolute or has NUL/\\")
+    for part in rel.split("/"):
+        if part in ("", ".", ".."):
+            raise UnsafePathError(
+                f"refusing unsafe name {rel!r} in the source: a '..', '.' or empty component could "
+                "escape the staging root; rename the object or exclude it with --exclude"
+            )
+    return rel
+
+
+def _matches(rel: str, patterns: Sequence[str]) -> bool:
+    base = rel.rsplit("/", 1)[-1]
+    return any(fnmatch.fnmatchcase(rel if "/" in p else base, p) for p in patterns)
+
+
+def selected(rel: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
+    if include and not _matches(rel, include):
+        return False
+    return not (exclude and _matches(rel, exclude))
+
+
+class Source:
+    """A dataset's source: an fsspec filesystem and a base path (a folder, a prefix or a glob)."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = redact(url)  #: for people and records; the filesystem gets the URL as given
+        self.storage_options = dict(storage_options or {})
+        self.protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
+        self.is_local = self.protocol in ("file", "local")
+        self.retry = RetryPolicy()
+        if self.is_local:
+            path = url.split("://", 1)[1] if "://" in url else url
+            self.fs: Any = None
+            self.pattern = os.path.abspath(os.path.expanduser(path)) if any(c in path for c in GLOB_CHARS) else ""
+            self.base = os.path.realpath(os.path.expanduser(path)) if not self.pattern else ""
+        else:
+            self.fs, path = _filesystem(url, self.storage_options)
+            path = path.rstrip("/")
+            self.pattern = path if any(c in path for c in GLOB_CHARS) else ""
+            self.base = path
+        if self.pattern:
+            head = self.pattern[: min(self.pattern.find(c) for c in GLOB_CHARS if c in self.pattern)]
+            self.base = head.rsplit("/", 1)[0] if "/" in head else ""
+            if self.is_local:
+                self.base = os.path.realpath(self.base or ".")
+        self._single = False
+
+    @property
+    def kind(self) -> str:
+        """'local', 'object' or 'http': sizes the copy pool (more threads for object stores)."""
+        if self.is_local:
+            return "local"
+        return "http" if self.protocol in ("http", "https") else "object"
+
+    def identity(self) -> str:
+        """What makes two sources the same dataset: the URL and the endpoint, never secrets."""
+        endpoint = self.storage_options.get("endpoint_url") or self.storage_options.get(
+            "client_kwargs", {}
+        ).get("endpoint_url", "")
+        where = redact(self.pattern or self.base)
+        return f"{self.protocol}://{where}" + (f"@{redact(str(endpoint))}" if endpoint else "")
+
+    def path_of(self, rel: str) -> str:
+        if self._single:
+            return self.base
+        return f"{self.base}/{rel}" if self.base else rel
+
+    # ---- listing ---------------------------------------------------------------------------
+    def listing(self, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> list[SourceFile]:
+        """List the source, sorted by relative path. Raises SourceError naming what is wrong."""
+        files = self._list_local() if self.is_local else self._list_remote()
+        files = [f for f in files if f.rel != SOURCE_MANIFEST_NAME and selected(f.rel, include, exclude)]
+        if not files:
+            what = f" matching --include {list(include)}" if include else ""
+            raise SourceError(f"source {self.url} holds no files{what}: nothing to stage")
+        files.sort(key=lambda f: f.rel)
+        return files
+
+    def _list_local(self) -> list[SourceFile]:
+        if self.pattern:
+            import glob
+
+            out: list[SourceFile] = []
+            for match in sorted(glob.glob(self.pattern, recursive=True)):
+                rel = os.path.relpath(match, self.base)
+                if os.path.isdir(match):
+                    out.extend(_scan(os.path.realpath(match), self.base, rel + "/"))
+                else:
+                    out.extend(_scan_one(match, self.base, rel))
+            if not out and not os.path.isdir(self.base):
+                raise SourceNotFoundError(f"source {self.url} does not exist; check the path")
+            return out
+        try:
+            st = os.stat(self.base)
+        except FileNotFoundError:
+            raise SourceNotFoundError(f"source {self.url} does not exist; check the path") from None
+        except OSError as e:
+            raise as_source_error(e, self.url) from e
+        if stat.S_ISREG(st.st_mode):
+            self._single = True
+            return [SourceFile(os.path.basename(self.base), st.st_size, st.st_mtime_ns)]
+        return _scan(self.base, self.base, "")
+
+    def _list_remote(self) -> list[SourceFile]:
+        def listing() -> dict[str, dict[str, Any]]:
+            if self.pattern:
+                found: dict[str, dict[str, Any]] = self.fs.glob(self.pattern, detail=True)
+                for name, info in list(found.items()):
+                    if info.get("type") == "directory":
+                        del found[name]
+                        found.update(self.fs.find(name, detail=True, withdirs=False))
+                return found
+            return dict(self.fs.find(self.base, detail=True, withdirs=False))
+
+        found = call_with_retry(listing, self.url, self.retry)
+        if not found:
+            info = call_with_retry(lambda: self.fs.info(self.base), self.url, self.retry)
+            if info.get("type") == "file":
+                self._single = True
+                found = {self.base: info}
+                return [_remote_entry(self.base.rsplit("/", 1)[-1], info)]
+        prefix = self.base + "/" if self.base else ""
+        out = []
+        for name, info in found.items():
+            name = name.rstrip("/") if info.get("type") == "directory" else name
+            if info.get("type") == "directory" or name.endswith("/"):
+                continue
+            if self.protocol in ("http", "https") and name == self.base:
+                self._single = True
+                return [_remote_entry(name.rsplit("/", 1)[-1], self._with_size(name, info))]
+            if not name.startswith(prefix):
+                raise UnsafePathError(f"listing of {self.url} returned {name!r}, which is outside it")
+            rel = validate_rel(name[len(prefix):])
+            out.append(_remote_entry(rel, self._with_size(name, info)))
+        return out
+
+    def _with_size(self, name: str, info: dict[str, Any]) -> dict[str, Any]:
+        if info.get("size") is None:
+            info = call_with_retry(lambda: self.fs.info(name), name, self.retry)
+            if info.get("size") is None:
+                raise SourceError(f"{name}: the server does not say how large it is (no Content-Length)")
+        return info
+
+    # ---- reading ---------------------------------------------------------------------------
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of a remote file, retried on transient errors."""
+        path = self.path_of(rel)
+        data: bytes = call_with_retry(lambda: self.fs.cat_file(path, start=start, end=end), path, self.retry)
+        if len(data) != end - start:
+            raise SourceError(f"{path}: expected {end - start} bytes at offset {start}, got {len(data)}; "
+                              "the object changed while it was read, stage again")
+        return data
+
+    def local_path(self, rel: str) -> str:
+        return self.path_of(rel)
+
+    def read_manifest(self) -> Manifest | None:
+        """The source's own digest manifest (``stagingloader manifest``), if it has one."""
+        if self._single:
+            return None
+        path = f"{self.base}/{SOURCE_MANIFEST_NAME}" if self.base else SOURCE_MANIFEST_NAME
+        if self.is_local:
+            if not os.path.exists(path):
+                return None
+            with open(path, "rb") as f:
+                return Manifest.parse(f.read(), path)
+        try:
+            raw = call_with_retry(lambda: self.fs.cat_file(path), path, self.retry)
+        except SourceNotFoundError:
+            return None
+        return Manifest.parse(raw, path)
+
+    def write_manifest(self, manifest: Manifest, dest: str | None = None) -> str:
+        from ..fsio import atomic_write
+
+        target = dest or (f"{self.base}/{SOURCE_MANIFEST_NAME}" if self.base else SOURCE_MANIFEST_NAME)
+        if self.is_local or (dest is not None and "://" not in dest):
+            atomic_write(target, manifest.to_json())
+        else:
+            data = manifest.to_json()
+            call_with_retry(lambda: self.fs.pipe_file(target, data), target, self.retry)
+        return target
+
+
+#: botocore's defaults wait 60 s for a connection and retry it 4 times: a host that does not answer took
+#: minutes to fail.  A user's own config_kwargs win.
+_S3_CLIENT_DEFAULTS = {"connect_timeout": 5, "retries": {"max_attempts": 3, "mode": "standard"}}
+
+
+def _filesystem(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
+    import fsspec
+
+    protocol = url.split("://", 1)[0].lower()
+    options = dict(storage_options)
+    if protocol in ("s3", "s3a"):
+        options["config_kwargs"] = {**_S3_CLIENT_DEFAULTS, **dict(options.get("config_kwargs") or {})}
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **options)
+    except ImportError:
+        hint = _INSTALL_HINTS.get(protocol, f"install the fsspec implementation for {protocol}://")
+        raise MissingDependencyError(f"{protocol}:// sources need an extra package: {hint}") from None
+    except ValueError as e:
+        if "Protocol not known" in str(e):
+            raise UsageError(
+                f"unknown URL scheme {protocol}:// in {url}; use a path, s3://, gs:// or https://"
+            ) from None
+        raise UsageError(f"bad source URL {url}: {e}") from None
+    except TypeError as e:
+        raise UsageError(f"bad storage option for {protocol}:// ({e}); see `stagingloader stage --help`") from None
+    return fs, path
+
+
+def _remote_entry(rel: str, info: dict[str, Any]) -> SourceFile:
+    mtime = info.get("LastModified") or info.get("mtime") or info.get("last_modified")
+    if isinstance(mtime, datetime):
+        mtime_ns = int(mtime.timestamp() * 1e9)
+    elif isinstance(mtime, (int, float)):
+        mtime_ns = int(mtime * 1e9)
+    else:
+        mtime_ns = 0
+    etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
+    version = info.get("VersionId") or info.get("version_id")
+    if version and version != "null":
+        etag = f"{etag}@{version}"
+    return SourceFile(rel, int(info["size"]), mtime_ns, etag)
+
+
+def _scan_one(path: str, base: str, rel: str) -> list[SourceFile]:
+    real = os.path.realpath(path)
+    if not (real == base or real.startswith(base + "/")):
+        raise UnsafePathError(f"refusing {path}: it is a symlink to {real}, outside the source {base}")
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise as_source_error(e, path) from e
+    return [SourceFile(validate_rel(rel), st.st_size, st.st_mtime_ns)]
+
+
+def _scan(top: str, base: str, prefix: str) -> list[SourceFile]:
+    """Walk ``top`` (a real path inside ``base``), following symlinks that stay inside ``base``."""
+    out: list[SourceFile] = []
+    top_st = os.stat(top)
+    stack: list[tuple[str, str, frozenset[tuple[int, int]]]] = [
+        (top, prefix, frozenset({(top_st.st_dev, top_st.st_ino)}))
+    ]
+    base_slash = base.rstrip("/") + "/"
+    while stack:
+        path, rel_prefix, ancestors = stack.pop()
+        try:
+            entries = list(os.scandir(path))
+        except OSError as e:
+            raise as_source_error(e, path) from e
+        for entry in entries:
+            rel = rel_prefix + entry.name
+            try:
+                if entry.is_symlink():
+                    real = os.path.realpath(entry.path)
+                    if not real.startswith(base_slash):
+                        raise UnsafePathError(
+                            f"refusing {entry.path}: it is a symlink to {real}, outside the source {base}; "
+                            "copy the target into the source or exclude the link with --exclude"
+                        )
+                    st = os.stat(entry.path)
+                else:
+                    st = entry.stat(follow_symlinks=False)
+            except UnsafePathError:
+                raise
+            except OSError as e:
+                if isinstance(e, FileNotFoundError) and entry.is_symlink():
+                    raise SourceError(f"{entry.path}: broken symlink to {os.readlink(entry.path)}") from None
+                raise as_source_error(e, entry.path) from e
+            if stat.S_ISDIR(st.st_mode):
+                key = (st.st_dev, st.st_ino)
+                if key in ancestors:
+                    raise SourceError(f"{entry.path}: symlink loop (it leads back to one of its parents)")
+                stack.append((entry.path, rel + "/", ancestors | {key}))
+            elif stat.S_ISREG(st.st_mode):
+                # a name from the directory has no "/" or NUL and is never "." or "..": only "\\" is left to refuse
+                out.append(SourceFile(validate_rel(rel) if "\\" in rel else rel, st.st_size, st.st_mtime_ns))
+    return out

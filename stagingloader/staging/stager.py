@@ -1,0 +1,385 @@
+"""``stage()``: list, plan, copy, publish.  Each step lives in its own module; this one sequences them.
+
+1. list the source (``sources``) and pick the root (``capacity``);
+2. under the dataset's lock (``locking``): check the published version (``verify``) and what an
+   interrupted run left (``incoming``), and plan (``planning``, pure);
+3. refuse if it does not fit; else hard-link unchanged files and copy the rest (``copying``);
+4. write the manifest, rename ``incoming`` to a new version and switch ``current`` to it;
+5. take a lease (``leases``) and remove old versions nobody leases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..cache import leases
+from ..cache.capacity import Tier, resolve_root
+from ..cache.layout import DatasetDir, current_user, dataset_key, safe_join
+from ..cache.locking import DatasetLock
+from ..cache.manifest import Entry, Manifest
+from ..errors import InternalError, ManifestError, NoSpaceError, RootError, UsageError
+from ..units import human_bytes
+from .copier import Copier, CopySettings, Progress, as_root_error
+from .copyplan import CORRUPT, CopyPlan, make_plan
+from .incoming import Incoming
+from .result import StagedDataset, StageReport
+from .sharding import take_shard
+from .sources import Source, SourceFile
+from .verify import check_fast, check_full
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WORKERS = {"local": 4, "object": 32, "http": 16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageOptions:
+    """Every knob of ``stage``, mirroring the command-line options."""
+
+    root: str = "auto"
+    workers: int | None = None
+    verify: str = "fast"
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    fsync: bool | None = None
+    max_ram_fraction: float = 0.5
+    lock_timeout: float | None = 3600.0
+    dry_run: bool = False
+    shard: tuple[int, int] | None = None
+    lease: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("include", "exclude"):  # one pattern given as a string is one pattern, not its characters
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, (value,))
+            elif not all(isinstance(v, str) for v in value):
+                raise UsageError(f"{name} takes glob patterns (strings), not {value!r}")
+        if not isinstance(self.root, str) or not self.root:
+            raise UsageError(f"root must be a folder path or 'auto', not {self.root!r}")
+        if not isinstance(self.storage_options, dict):
+            raise UsageError(f"storage_options must be a dict of fsspec options (e.g. {{'anon': True}}), "
+                             f"not {type(self.storage_options).__name__} {self.storage_options!r}")
+        if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
+            raise UsageError(f"workers must be a whole number of at least 1, not {self.workers!r}")
+        if self.verify not in ("fast", "full"):
+            raise UsageError(f"verify must be 'fast' (size + mtime) or 'full' (re-hash), not {self.verify!r}")
+        if not isinstance(self.max_ram_fraction, (int, float)) or not 0.0 < self.max_ram_fraction <= 1.0:
+            raise UsageError(f"max_ram_fraction must be in (0, 1], not {self.max_ram_fraction!r}")
+        if self.lock_timeout is not None and (not isinstance(self.lock_timeout, (int, float))
+                                              or math.isnan(self.lock_timeout) or self.lock_timeout < 0):
+            raise UsageError(f"lock_timeout must be a number of seconds >= 0 (or None to wait for ever), "
+                             f"not {self.lock_timeout!r}")
+        if self.shard is not None:
+            i, n = self.shard
+            if not (n >= 1 and 0 <= i < n):
+                raise UsageError(f"shard must be I/N with 0 <= I < N, not {i}/{n}")
+
+
+@dataclass
+class StagePlan:
+    """What a dry run found: the plan, where it would go, and whether it fits."""
+
+    source: str
+    root: str
+    root_reason: str
+    dataset_dir: str
+    plan: CopyPlan
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "root": self.root, "root_reason": self.root_reason,
+                "dataset_dir": self.dataset_dir, **self.plan.summary()}
+
+
+def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = None,
+              callback: Any = None, on_file: Callable[[int], None] | None = None,
+              on_event: Callable[[str], None] | None = None,
+              pid_lease: bool = False) -> StagedDataset | StagePlan:
+    """Stage ``src`` as ``opts`` say; see :func:`stagingloader.stage`."""
+    env = dict(os.environ) if env is None else env
+    say = on_event or (lambda text: log.info("%s", text))
+    t0 = time.perf_counter()
+    source = Source(src, opts.storage_options)
+    listing = take_shard(source.listing(opts.include, opts.exclude), opts.shard)
+    total = sum(f.size for f in listing)
+    identity = source.identity() + _selection_suffix(opts)
+    key = dataset_key(identity)
+    tier, why = resolve_root(opts.root, total, key, max_ram_fraction=opts.max_ram_fraction, env=env,
+                             user=current_user())
+    say(f"staging {source.url} ({len(listing)} files, {human_bytes(total)}) into {tier.describe()}: {why}")
+    run = _Run(source=source, listing=listing, opts=opts, tier=tier, why=why, ddir=DatasetDir(tier.path / key),
+               t0=t0, say=say)
+    if run.ddir.path.is_dir() and not os.access(run.ddir.path, os.W_OK) and not opts.dry_run:
+        return _use_read_only(run)
+    try:
+        run.ddir.path.mkdir(mode=0o700, exist_ok=True)
+    except PermissionError:
+        raise RootError(f"cannot create {run.ddir.path}: permission denied; pick another --root") from None
+    with DatasetLock(run.ddir.lock_file, timeout=opts.lock_timeout, on_wait=say):
+        return _stage_locked(run, identity=identity, callback=callback, on_file=on_file, pid_lease=pid_lease)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Run:
+    """What one ``stage`` call works on: the source and its listing, the options, the tier and the dataset folder."""
+
+    source: Source
+    listing: list[SourceFile]
+    opts: StageOptions
+    tier: Tier
+    why: str
+    ddir: DatasetDir
+    t0: float
+    say: Callable[[str], None]
+
+    @property
+    def workers(self) -> int:
+        return self.opts.workers or DEFAULT_WORKERS[self.source.kind]
+
+    @property
+    def fsync(self) -> bool:
+        return (not self.tier.mount.is_memory) if self.opts.fsync is None else self.opts.fsync
+
+
+def _use_read_only(run: _Run) -> StagedDataset:
+    """A dataset someone else staged for us (a site-wide shared copy): use it as it is, if it is current.
+
+    Its owner (the Slurm prolog, for a shared dataset) holds the lease that protects it.
+    """
+    ddir, source = run.ddir, run.source
+    version = ddir.current()
+    if version is None:
+        raise RootError(f"{ddir.path} belongs to another user and holds no complete copy yet; wait for its stager "
+                        f"(the Slurm prolog) or read {source.url} directly")
+    manifest = ddir.load_manifest(version)
+    plan = make_plan(run.listing, manifest, base_bad=check_fast(ddir.version_dir(version) / "data", manifest))
+    if not plan.up_to_date:
+        raise RootError(f"the shared copy {ddir.path} ({version}) differs from {source.url} in "
+                        f"{len(plan.copy) + plan.removed} files and only its owner can update it; read the source "
+                        "directly, or ask for it to be staged again")
+    run.say(f"using the shared copy {ddir.path} ({version}) read-only: its stager holds the lease")
+    report = _report(run, plan, manifest, version, copier=None)
+    return StagedDataset(source.url, ddir.version_dir(version) / "data", version, ddir.path, manifest, report, None)
+
+
+def _selection_suffix(opts: StageOptions) -> str:
+    parts = []
+    if opts.include:
+        parts.append("include=" + ",".join(opts.include))
+    if opts.exclude:
+        parts.append("exclude=" + ",".join(opts.exclude))
+    if opts.shard:
+        parts.append(f"shard={opts.shard[0]}/{opts.shard[1]}")
+    return ("?" + "&".join(parts)) if parts else ""
+
+
+def _stage_locked(run: _Run, *, identity: str, callback: Any, on_file: Callable[[int], None] | None,
+                  pid_lease: bool) -> StagedDataset | StagePlan:
+    """The stage's story, under the dataset's lock: check what is staged, plan, copy, publish, lease."""
+    ddir = run.ddir
+    ddir.sweep_deleting()
+    _record_dataset(run, identity)
+    base_version, base = _load_base(ddir, run.say)
+    expected = _expected_digests(run.source)
+    base_bad = _check_base(run, base_version, base, expected)
+    incoming = Incoming(ddir.incoming, fsync=run.fsync)
+    done, stray = incoming.load({f.rel: f for f in run.listing}) if ddir.incoming.exists() else ({}, 0)
+    plan = make_plan(run.listing, base, base_bad=base_bad, incoming=done, free_bytes=run.tier.budget + stray)
+    if run.opts.dry_run:
+        return StagePlan(run.source.url, str(run.tier.path), run.why, str(ddir.path), plan)
+    _refuse_if_short(run, plan)
+    copier = None
+    if plan.up_to_date:
+        if base is None or base_version is None:
+            raise InternalError("a plan found the dataset up to date without a staged version")
+        version, manifest = base_version, base
+        if ddir.incoming.exists():
+            shutil.rmtree(ddir.incoming, ignore_errors=True)
+    else:
+        version = ddir.next_version()
+        progress = Progress(callback, on_file)
+        manifest, copier = _build_version(run, plan, incoming, done, expected, progress, base_version, version)
+        _forget_repairs(ddir, version)
+    lease_name = _take_lease(run, version, pid_lease)
+    _remove_unleased(ddir, keep=version)
+    ddir.touch()
+    return StagedDataset(run.source.url, ddir.version_dir(version) / "data", version, ddir.path, manifest,
+                         _report(run, plan, manifest, version, copier), lease_name)
+
+
+def _record_dataset(run: _Run, identity: str) -> None:
+    """Write ``dataset.json`` (source and selection, no secrets) the first time a dataset is staged."""
+    if not run.ddir.read_info():
+        opts = run.opts
+        run.ddir.write_info({"source": run.source.url, "identity": identity, "created": time.time(),
+                             "include": list(opts.include), "exclude": list(opts.exclude),
+                             "shard": list(opts.shard) if opts.shard else None})
+
+
+def _check_base(run: _Run, base_version: str | None, base: Manifest | None,
+                expected: dict[str, str]) -> dict[str, str]:
+    """Files of the published version that must not be reused: bad on disk, queued for repair, or not what
+    the source manifest says."""
+    if base is None or base_version is None:
+        return {}
+    data = run.ddir.version_dir(base_version) / "data"
+    if run.opts.verify == "full":
+        base_bad, _ = check_full(data, base, run.workers)
+    else:
+        base_bad = check_fast(data, base)
+    for rel in run.ddir.read_repairs().get(base_version, []):
+        base_bad.setdefault(rel, CORRUPT)
+    for rel, digest in zip(base.path, base.digest):
+        if expected.get(rel, digest) != digest:
+            base_bad.setdefault(rel, CORRUPT)
+    return base_bad
+
+
+def _refuse_if_short(run: _Run, plan: CopyPlan) -> None:
+    if not plan.fits:
+        raise NoSpaceError(
+            f"{run.source.url} needs {human_bytes(plan.bytes_to_copy)} more on {run.tier.describe()}: "
+            f"{human_bytes(plan.bytes_to_copy - (plan.free_bytes or 0))} short. Free space (stagingloader gc "
+            "--keep-bytes N), raise --max-ram-fraction for tmpfs, or pick a bigger --root"
+        )
+
+
+def _forget_repairs(ddir: DatasetDir, version: str) -> None:
+    repairs = ddir.read_repairs()
+    repairs.pop(version, None)
+    ddir.write_repairs(repairs)
+
+
+def _take_lease(run: _Run, version: str, pid_lease: bool) -> str | None:
+    """A named lease (``--lease``), or one tied to this process (the Python API), or none."""
+    name = run.opts.lease
+    if name is None and not pid_lease:
+        return None
+    return leases.take(run.ddir, version, name=name, pid=None if name else os.getpid()).name
+
+
+def _report(run: _Run, plan: CopyPlan, manifest: Manifest, version: str, copier: Copier | None) -> StageReport:
+    copied = plan.copy if not plan.up_to_date else ()
+    return StageReport(
+        source=run.source.url, staging_root=str(run.tier.path), tier=run.tier.kind, root_reason=run.why,
+        dataset_dir=str(run.ddir.path), version=version, files=len(manifest), bytes=manifest.total_bytes,
+        copied_files=len(copied), copied_bytes=copier.bytes_copied if copier else 0,
+        resumed_bytes=copier.bytes_resumed if copier else 0,
+        reused_files=plan.reused_files, linked_files=len(plan.link),
+        repaired_files=sum(1 for _, r in copied if r in ("missing", "corrupt")),
+        removed_files=plan.removed, seconds=time.perf_counter() - run.t0, new_version=not plan.up_to_date,
+        reasons=dict(plan.reasons),
+    )
+
+
+def _load_base(ddir: DatasetDir, say: Callable[[str], None]) -> tuple[str | None, Manifest | None]:
+    version = ddir.current()
+    if version is None:
+        versions = ddir.versions()
+        complete = [v for v in versions if (ddir.version_dir(v) / "manifest.json").exists()]
+        if not complete:
+            return None, None
+        version = complete[-1]  # published but the switch was interrupted
+        ddir.publish(version)
+    try:
+        return version, ddir.load_manifest(version)
+    except ManifestError as e:
+        say(f"ignoring the staged version {version}: {e}")
+        return None, None
+
+
+def _expected_digests(source: Source) -> dict[str, str]:
+    m = source.read_manifest()
+    return dict(zip(m.path, m.digest)) if m is not None else {}
+
+
+def _build_version(run: _Run, plan: CopyPlan, incoming: Incoming, done: dict[str, Entry],
+                   expected: dict[str, str], progress: Progress, base_version: str | None,
+                   version: str) -> tuple[Manifest, Copier]:
+    """Copy what the plan says into ``incoming``, write its manifest, and publish it as ``version``."""
+    ddir, listing = run.ddir, run.listing
+    if ddir.incoming.exists():
+        incoming.sweep(done)
+        incoming.drop(plan.drop)
+    incoming.path.mkdir(exist_ok=True)
+    incoming.rewrite_journal(list(plan.keep))
+    incoming.open()
+    to_copy = [f for f, _ in plan.copy]
+    if plan.link and base_version is not None:
+        to_copy += _link_unchanged(ddir.version_dir(base_version) / "data", incoming, plan.link, listing)
+    progress.set_size(sum(f.size for f in to_copy))
+    copier = Copier(run.source, incoming, CopySettings(workers=run.workers, fsync=incoming.fsync),
+                    expected=expected, progress=progress, stop=threading.Event())
+    try:
+        copier.run(to_copy)
+    except BaseException:
+        with contextlib.suppress(OSError):  # e.g. a full disk: the copier's error is the one to report
+            incoming.close()
+        raise
+    try:
+        incoming.close()
+    except OSError as e:  # the journal's last lines did not fit: a full disk, said as such
+        raise as_root_error(e) from e
+    entries = {e.path: e for e in plan.keep}
+    entries.update((e.path, e) for e in incoming.entries)
+    missing = [f.rel for f in listing if f.rel not in entries]
+    if missing:
+        raise InternalError(f"{len(missing)} files were not staged, e.g. {missing[0]}")
+    manifest = Manifest.from_entries(run.source.url, list(entries.values()))
+    try:
+        manifest.save(ddir.incoming / "manifest.json", fsync=incoming.fsync)
+    except OSError as e:
+        raise as_root_error(e) from e
+    shutil.rmtree(incoming.partial, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        incoming.journal_path.unlink()
+    os.rename(ddir.incoming, ddir.version_dir(version))
+    ddir.publish(version)
+    return manifest, copier
+
+
+def _link_unchanged(base_data: Path, incoming: Incoming, link: Sequence[Entry],
+                    listing: Sequence[SourceFile]) -> list[SourceFile]:
+    """Hard-link unchanged files from the published version; return those that must be copied."""
+    fallback: list[str] = []
+    linked: list[Entry] = []
+    for e in link:
+        dest = safe_join(incoming.data, e.path)
+        incoming.ensure_parent(dest)
+        try:
+            os.link(safe_join(base_data, e.path), dest, follow_symlinks=False)
+        except FileExistsError:
+            os.unlink(dest)
+            os.link(safe_join(base_data, e.path), dest, follow_symlinks=False)
+        except OSError as err:
+            if err.errno not in (errno.EMLINK, errno.EPERM, errno.EXDEV, errno.ENOTSUP):
+                raise
+            fallback.append(e.path)
+            continue
+        linked.append(e)
+    incoming.record_many(linked)
+    if not fallback:
+        return []
+    wanted = set(fallback)
+    return [f for f in listing if f.rel in wanted]
+
+
+def _remove_unleased(ddir: DatasetDir, keep: str) -> None:
+    """Delete versions other than ``keep`` that no live lease holds."""
+    held = {lease.version for lease in leases.live(ddir)}
+    for v in ddir.versions():
+        if v != keep and v not in held:
+            log.info("removing %s/%s: replaced by %s and no longer leased", ddir.key, v, keep)
+            ddir.remove_version(v)
