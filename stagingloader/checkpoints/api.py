@@ -48,17 +48,13 @@ class Checkpoints:
 
     def __init__(self, local: str | os.PathLike[str], remote: str | None = None, *, keep_local: int = 2,
                  keep_remote: int | None = None, storage_options: dict[str, Any] | None = None,
-                 fsync: bool | None = None, drain_workers: int = 2, drain_deadline: float = 3600.0,
-                 verify_remote: str = "size", async_buffer_bytes: int | None = None, drain_nice: int = 10) -> None:
+                 transfer: TransferPolicy | None = None, fsync: bool | None = None,
+                 async_buffer_bytes: int | None = None) -> None:
         if keep_local < 1:
             raise UsageError(f"keep_local must be at least 1 (the newest checkpoint stays local), not {keep_local}")
         if keep_remote is not None and keep_remote < 1:
             raise UsageError(f"keep_remote must be None (keep all) or at least 1, not {keep_remote}")
-        try:
-            self.policy = TransferPolicy(workers=drain_workers, deadline=drain_deadline, verify=verify_remote,
-                                         nice=drain_nice)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        self.policy = transfer or TransferPolicy()
         self.local = FolderTier(os.fspath(local), fsync=fsync)
         self.local.root.mkdir(parents=True, exist_ok=True)
         self.local.sweep_temp()
@@ -152,7 +148,7 @@ class Checkpoints:
                 log.info("checkpoint %s complete on %s", step_name(step), remote.url)
                 self.apply_retention()
 
-            self.drainer.submit(step, drain)
+            self.drainer.submit(step, drain, supersedable=self.policy.coalesce)
         self.apply_retention()
 
     # ---- retention ----------------------------------------------------------------------------

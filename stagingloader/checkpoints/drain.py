@@ -22,13 +22,14 @@ from ..errors import DrainError
 
 log = logging.getLogger(__name__)
 Task = Callable[[Callable[[int], None]], None]
+Queued = tuple["DrainRecord", Task, bool]  # the record, the copy, whether a newer step may supersede it
 _HISTORY = 64
 
 
 @dataclass
 class DrainRecord:
     step: int
-    state: str = "queued"  # queued, draining, done, failed
+    state: str = "queued"  # queued, draining, done, failed, superseded
     bytes: int = 0
     queued_at: float = field(default_factory=time.time)
     seconds: float = 0.0
@@ -50,7 +51,7 @@ def lower_priority(nice: int) -> None:
 class Drainer:
     def __init__(self, name: str = "stagingloader-ckpt-drain", *, nice: int = 10) -> None:
         self._cond = threading.Condition()
-        self._queue: deque[tuple[DrainRecord, Task]] = deque()
+        self._queue: deque[Queued] = deque()
         self._records: deque[DrainRecord] = deque(maxlen=_HISTORY)
         self._busy: DrainRecord | None = None
         self._closing = False
@@ -59,19 +60,21 @@ class Drainer:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, step: int, task: Task) -> None:
+    def submit(self, step: int, task: Task, *, supersedable: bool = False) -> None:
+        """Queue ``task``; a ``supersedable`` one is skipped (and says so) if a newer supersedable step is queued
+        behind it before its turn: when checkpoints come faster than the remote takes them, the newest wins."""
         with self._cond:
             if self._closing:
                 raise DrainError(f"step {step}: the drain is closed; nothing more can be queued")
             rec = DrainRecord(step)
             self._records.append(rec)
-            self._queue.append((rec, task))
+            self._queue.append((rec, task, supersedable))
             self._cond.notify_all()
 
     def pending(self) -> set[int]:
         """Steps queued or being copied: retention must not touch them."""
         with self._cond:
-            out = {rec.step for rec, _ in self._queue}
+            out = {rec.step for rec, _, _ in self._queue}
             if self._busy is not None:
                 out.add(self._busy.step)
             return out
@@ -111,7 +114,7 @@ class Drainer:
             self._closing = True
             if not wait:
                 self.stop.set()
-                for rec, _ in self._queue:
+                for rec, _, _ in self._queue:
                     rec.state, rec.error = "failed", f"step {rec.step}: not drained: closed before its turn"
                 self._queue.clear()
             self._cond.notify_all()
@@ -125,7 +128,13 @@ class Drainer:
                     self._cond.wait()
                 if not self._queue:
                     return
-                rec, task = self._queue.popleft()
+                rec, task, supersedable = self._queue.popleft()
+                newer = [r.step for r, _, sup in self._queue if sup and r.step > rec.step]
+                if supersedable and newer:
+                    rec.state, rec.error = "superseded", f"step {rec.step}: not drained: step {max(newer)} is newer"
+                    log.warning("checkpoint drain: %s", rec.error)
+                    self._cond.notify_all()
+                    continue
                 rec.state = "draining"
                 self._busy = rec
             t0 = time.monotonic()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .. import digest as dg
 from ..cache.manifest import Manifest
-from ..errors import CheckpointCorruptError, DrainError, StagingError
+from ..errors import CheckpointCorruptError, DrainError, StagingError, UsageError
 from ..staging.retry import is_permanent
 from .drain import lower_priority
 from .layout import MARKER, step_name
@@ -37,10 +37,11 @@ class TransferPolicy:
     max_delay: float = 30.0
     verify: str = "size"  #: after each file: "size" (stat the copy) or "full" (read it back and re-hash)
     nice: int = 10  #: niceness of the drain's threads, so that the training loop wins the CPU (0: unchanged)
+    coalesce: bool = True  #: skip a queued drain when a newer checkpoint is queued behind it (the newest wins)
 
     def __post_init__(self) -> None:
-        if self.workers < 1 or self.deadline <= 0 or self.verify not in ("size", "full"):
-            raise ValueError(f"bad TransferPolicy {self}: need workers >= 1, deadline > 0, verify size|full")
+        if self.workers < 1 or not self.deadline > 0 or self.verify not in ("size", "full"):
+            raise UsageError(f"bad TransferPolicy {self}: need workers >= 1, deadline > 0, verify 'size' or 'full'")
 
 
 class Stopped(StagingError):

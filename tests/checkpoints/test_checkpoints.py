@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import stagingloader as sl
-from stagingloader.checkpoints import Checkpoints
+from stagingloader.checkpoints import Checkpoints, TransferPolicy
 from stagingloader.checkpoints.layout import MARKER, OBJECT_FILE, step_name
 from stagingloader.checkpoints.snapshot import HostSnapshot
 from stagingloader.checkpoints.tiers import complete_steps
@@ -39,7 +40,8 @@ def steps_in(path: Path) -> list[str]:
 
 def test_save_drain_retention_and_load(tmp_path: Path) -> None:
     local, remote = tmp_path / "local", tmp_path / "remote"
-    with Checkpoints(local=local, remote=str(remote), keep_local=2, keep_remote=3) as ck:
+    every = TransferPolicy(coalesce=False)  # every step reaches the remote, however fast they come
+    with Checkpoints(local=local, remote=str(remote), keep_local=2, keep_remote=3, transfer=every) as ck:
         for step in range(0, 600, 100):
             ck.save(step, state(step), async_=step % 200 == 0)
         assert ck.latest() == 500
@@ -116,7 +118,7 @@ def test_a_full_local_tmpfs_fails_the_save_and_keeps_the_latest_complete(tmp_pat
 
 def test_a_drain_that_fails_is_reported_naming_step_and_file(tmp_path: Path) -> None:
     with mounted_tmpfs(tmp_path / "remote", "4m") as remote:
-        ck = Checkpoints(local=tmp_path / "local", remote=str(remote), drain_deadline=1.0)
+        ck = Checkpoints(local=tmp_path / "local", remote=str(remote), transfer=TransferPolicy(deadline=1.0))
         ck.save(1, state(1, mib=1))
         ck.save(2, state(2, mib=6))  # does not fit the remote: ENOSPC, retried until the deadline
         with pytest.raises(sl.DrainError, match=rf"step 2: .*{step_name(2)}/{OBJECT_FILE}"):
@@ -148,7 +150,8 @@ def test_s3_remote_survives_dropped_connections_mid_upload(s3: S3Server, tmp_pat
     url = f"s3://{BUCKET}/drops"
     with FaultProxy(host, int(port), error_rate=0.15, drop_rate=0.15, seed=3) as proxy:
         opts = s3.storage_options(endpoint_url=proxy.endpoint_url)
-        with Checkpoints(local=tmp_path / "local", remote=url, storage_options=opts, keep_remote=2) as ck:
+        with Checkpoints(local=tmp_path / "local", remote=url, storage_options=opts, keep_remote=2,
+                         transfer=TransferPolicy(coalesce=False, first_delay=0.1)) as ck:
             for step in (1, 2, 3):
                 ck.save(step, state(step, mib=10))  # 10 MiB: multipart uploads of 8 MiB parts
         assert proxy.drops_injected + proxy.errors_injected >= 5, proxy.actions
@@ -161,7 +164,7 @@ def test_s3_permanent_error_leaves_the_step_unmarked(s3: S3Server, tmp_path: Pat
     host, port = s3.endpoint_url.split("//")[1].split(":")
     url = f"s3://{BUCKET}/denied"
     with FaultProxy(host, int(port), error_rate=0.0, drop_rate=0.0) as proxy:
-        ck = Checkpoints(local=tmp_path / "local", remote=url, drain_deadline=5,
+        ck = Checkpoints(local=tmp_path / "local", remote=url, transfer=TransferPolicy(deadline=5),
                          storage_options=s3.storage_options(endpoint_url=proxy.endpoint_url))
         ck.save(1, state(1))
         ck.wait()
@@ -185,3 +188,29 @@ def test_options_are_checked(tmp_path: Path) -> None:
         ck.save(1, {})
         with pytest.raises(sl.UsageError, match="already a complete checkpoint"):
             ck.save(1, {})
+
+
+def test_when_saves_outpace_the_remote_the_newest_checkpoint_is_drained() -> None:
+    from stagingloader.checkpoints.drain import Drainer
+
+    gate, started = threading.Event(), threading.Event()
+    done: list[int] = []
+
+    def slow_first(count: object) -> None:
+        started.set()
+        gate.wait(10)  # a slow remote
+        done.append(1)
+
+    drainer = Drainer()
+    drainer.submit(1, slow_first, supersedable=True)
+    assert started.wait(10)
+    for step in (2, 3, 4):
+        drainer.submit(step, lambda count, s=step: done.append(s), supersedable=True)
+    assert drainer.pending() == {1, 2, 3, 4}
+    gate.set()
+    drainer.wait()
+    assert done == [1, 4]
+    states = {d["step"]: d["state"] for d in drainer.status()}
+    assert states == {1: "done", 2: "superseded", 3: "superseded", 4: "done"}
+    drainer.raise_failures()  # superseded is said (log, status), not an error
+    drainer.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from stagingloader.checkpoints import Checkpoints
+from stagingloader.checkpoints import Checkpoints, TransferPolicy
 from stagingloader.checkpoints.layout import MARKER, OBJECT_FILE, step_name
 from tests.conftest import cli_json, mounted_tmpfs, run_cli
 
@@ -15,7 +15,7 @@ from tests.conftest import cli_json, mounted_tmpfs, run_cli
 def test_ls_verify_drain_release_and_restore(tmp_path: Path) -> None:
     remote = tmp_path / "remote"
     with mounted_tmpfs(tmp_path / "shm", "16m") as local:
-        ck = Checkpoints(local=local, remote=str(remote), keep_local=3)
+        ck = Checkpoints(local=local, remote=str(remote), keep_local=3, transfer=TransferPolicy(coalesce=False))
         for step in (1, 2, 3):
             ck.save(step, {"w": torch.full((1000,), float(step))})
         ck.wait()

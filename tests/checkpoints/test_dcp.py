@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 import stagingloader as sl
 from stagingloader.cache.manifest import Manifest
-from stagingloader.checkpoints import Checkpoints
+from stagingloader.checkpoints import Checkpoints, TransferPolicy
 from stagingloader.checkpoints.layout import MARKER, step_name
 
 WORLD = 2
@@ -26,7 +26,8 @@ def _state(rank: int, step: int) -> dict[str, torch.Tensor]:
 
 def _init(rank: int, tmp: str) -> Checkpoints:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
-    return Checkpoints(local=f"{tmp}/local", remote=f"{tmp}/remote", keep_local=2, drain_deadline=20)
+    return Checkpoints(local=f"{tmp}/local", remote=f"{tmp}/remote", keep_local=2,
+                       transfer=TransferPolicy(deadline=20))
 
 
 def _save_drain_and_restore(rank: int, tmp: str) -> None:

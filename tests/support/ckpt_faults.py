@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 
-from stagingloader.checkpoints import Checkpoints
+from stagingloader.checkpoints import Checkpoints, TransferPolicy
 from stagingloader.checkpoints import tiers as tiers_mod
 from stagingloader.checkpoints.layout import MARKER, OBJECT_FILE
 from stagingloader.checkpoints.tiers import FolderTier, complete_steps, open_tier, verify_step
-from stagingloader.checkpoints.transfer import TransferPolicy, copy_step
+from stagingloader.checkpoints.transfer import copy_step
 from stagingloader.errors import NoSpaceError
 
 KILL_KINDS = ("kill_local_write", "kill_drain", "kill_local_marker", "kill_remote_marker", "kill_random")
@@ -78,7 +78,7 @@ class Campaign:
 
     def open(self, **kw: Any) -> Checkpoints:
         return Checkpoints(local=self.local, remote=self.remote, storage_options=self.options, keep_local=2,
-                           keep_remote=3, drain_deadline=30, **kw)
+                           keep_remote=3, transfer=TransferPolicy(deadline=30), **kw)
 
     # ---- the faults ------------------------------------------------------------------------------
     def run(self, kind: str) -> None:
