@@ -66,6 +66,7 @@ class Checkpoints:
         self._lock = threading.Lock()
         self._retention_lock = threading.Lock()
         self._pinned: Counter[int] = Counter()  # steps being written or read in this process
+        self._remote_newest: int | None = None  # the newest step this process saw complete on the remote
         self.drainer = Drainer(nice=self.policy.nice)  # also runs the DCP steps' marker gathers
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="stagingloader-ckpt-writer")
         self._inflight: Future[None] | None = None
@@ -136,7 +137,8 @@ class Checkpoints:
         self.commit(step, marker_for(step, {OBJECT_FILE: (w.size, dg.format_digest(w.hasher))}))
 
     def commit(self, step: int, marker: Manifest) -> None:
-        """Mark ``step`` complete on the local tier, queue its drain, apply local retention."""
+        """Mark ``step`` complete on the local tier, queue its drain, apply local retention (never the remote's:
+        the saving thread does not wait on the remote)."""
         self.local.write_marker(step, marker)
         log.info("checkpoint %s complete on %s (%d files, %d bytes)", step_name(step), self.local.url, len(marker),
                  marker.total_bytes)
@@ -146,34 +148,43 @@ class Checkpoints:
             def drain(on_bytes: Any) -> None:
                 copy_step(self.local, remote, step, marker, self.policy, stop=self.drainer.stop, on_bytes=on_bytes)
                 log.info("checkpoint %s complete on %s", step_name(step), remote.url)
-                self.apply_retention()
+                self.remote_complete(step)
+                self.apply_retention(remote=True)
 
             self.drainer.submit(step, drain, supersedable=self.policy.coalesce)
         self.apply_retention()
 
+    def remote_complete(self, step: int) -> None:
+        """Note that ``step`` is now complete on the remote (kept by every tier's retention until a newer one is)."""
+        with self._lock:
+            self._remote_newest = max(step, -1 if self._remote_newest is None else self._remote_newest)
+
     # ---- retention ----------------------------------------------------------------------------
     def protected(self) -> set[int]:
-        """Steps no tier may delete now: being written, read or drained here, and each tier's newest complete."""
+        """Steps no tier may delete now: being written, read or drained here, and each tier's newest complete
+        (the remote's as this process last saw it: retention in the saving thread never lists the remote)."""
         with self._lock:
             out = {s for s, n in self._pinned.items() if n > 0}
+            if self._remote_newest is not None:
+                out.add(self._remote_newest)
         out |= self.drainer.pending()
-        for tier in (self.local, self.remote):
-            newest = latest_complete(tier) if tier is not None else None
-            if newest is not None:
-                out.add(newest)
+        newest = latest_complete(self.local)
+        if newest is not None:
+            out.add(newest)
         return out
 
-    def apply_retention(self) -> None:
+    def apply_retention(self, *, remote: bool = False) -> None:
+        """Keep-last-K on the local tier (and, with ``remote=True``, from the drain thread, on the remote)."""
         with self._retention_lock:  # the saving thread and the drain both call it
             try:
-                self._apply_retention()
+                self._apply_retention(remote=remote)
             except Exception as e:  # retention is housekeeping: it never fails a save or a drain
                 log.warning("checkpoint retention skipped this time: %s: %s", type(e).__name__, e)
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, *, remote: bool) -> None:
         protected = self.protected()
         tiers: list[tuple[Tier, int | None]] = [(self.local, self.keep_local)]
-        if self.remote is not None:
+        if remote and self.remote is not None:
             tiers.append((self.remote, self.keep_remote))
         for tier, keep in tiers:
             steps = tier.steps()

@@ -140,7 +140,8 @@ def drain_dcp_step(ck: Checkpoints, step: int, mine: Files, group: Any, rank: in
                                  "files copied; not marked complete")
             copy_step(ck.local, ck.remote, step, marker, ck.policy, files=[], stop=ck.drainer.stop)
             log.info("DCP checkpoint %s complete on %s", step_name(step), ck.remote.url)
-    ck.apply_retention()
+            ck.remote_complete(step)
+    ck.apply_retention(remote=rank == 0)  # one rank prunes the shared remote
 
 
 class TieredReader(FileSystemReader):
