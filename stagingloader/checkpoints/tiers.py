@@ -24,6 +24,7 @@ from ..cache.manifest import Manifest
 from ..cache.tiers import mount_of
 from ..errors import ManifestError, MissingDependencyError, UsageError
 from ..fsio import atomic_write, fsync_dir
+from ..staging.retry import redact
 from .layout import MARKER, TMP_PREFIX, parse_step, step_name
 
 log = logging.getLogger(__name__)
@@ -225,7 +226,7 @@ class ObjectTier:
         except (ValueError, TypeError) as e:
             raise UsageError(f"bad checkpoint URL or storage option for {url}: {e}") from None
         self.base = path.rstrip("/")
-        self.url = url.rstrip("/")
+        self.url = redact(url.rstrip("/"))  # what logs, errors and the settings file show: no user:password@
 
     def _path(self, step: int, rel: str = "") -> str:
         return f"{self.base}/{step_name(step)}" + (f"/{rel}" if rel else "")
