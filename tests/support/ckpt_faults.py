@@ -74,17 +74,21 @@ class Campaign:
         self.counts: Counter[str] = Counter()
         self.bad_loads = 0
         self.faults = 0
+        self.landed = True
+        self.coalesce = True
         self.lost = 0
 
     def open(self, **kw: Any) -> Checkpoints:
         return Checkpoints(local=self.local, remote=self.remote, storage_options=self.options, keep_local=2,
-                           keep_remote=3, transfer=TransferPolicy(deadline=30), **kw)
+                           keep_remote=3, transfer=TransferPolicy(deadline=30, coalesce=self.coalesce), **kw)
 
     # ---- the faults ------------------------------------------------------------------------------
     def run(self, kind: str) -> None:
+        self.landed = True
         getattr(self, f"_{kind}", None)() if kind in ("enospc", "bitrot", "node_lost") else self._kill(kind)
-        self.counts[kind] += 1
-        self.faults += 1
+        if self.landed:  # a kill that came after the child finished injected nothing
+            self.counts[kind] += 1
+            self.faults += 1
         self.check()
 
     def _kill(self, kind: str) -> None:
@@ -108,7 +112,8 @@ class Campaign:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
-        self.counts["child_" + ("killed" if os.WIFSIGNALED(status) else f"exit{os.WEXITSTATUS(status)}")] += 1
+        self.landed = os.WIFSIGNALED(status)
+        self.counts["child_" + ("killed" if self.landed else f"exit{os.WEXITSTATUS(status)}")] += 1
         for line in acks.read_text().split() if acks.exists() else []:
             what, step = line.split(":")
             if what == "saved":
@@ -252,8 +257,10 @@ def run_campaign(faults: int, *, seed: int = 0, s3: bool = False, work: Path | N
         try:
             c = Campaign(base, seed=seed)
             c.local = local / "ckpt"
-            for i in range(faults):
+            i = 0
+            while c.faults < faults:
                 c.run(KINDS[i % len(KINDS)])  # in turn; where each strikes is drawn from the seed
+                i += 1
             report = {"faults": c.faults, "by_kind": dict(c.counts),
                       "partial_or_corrupt_loaded": c.bad_loads, "latest_complete_lost": c.lost,
                       "newest_step_saved": c.acked, "newest_step_drained": c.drained}
@@ -275,8 +282,9 @@ def _s3_faults(base: Path, seed: int) -> dict[str, Any]:
         with FaultProxy(host, int(port), error_rate=0.15, drop_rate=0.15, seed=seed) as proxy:
             c = Campaign(base / "s3", remote="s3://campaign/run",
                          storage_options=server.storage_options(endpoint_url=proxy.endpoint_url))
+            c.coalesce = False  # every step's upload meets the faults
             with c.open() as ck:
-                for step in range(1, 9):
+                for step in range(1, 13):
                     ck.save(step, state(step))
                     c.acked = step
             c.drained = c.acked
