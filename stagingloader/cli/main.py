@@ -249,14 +249,18 @@ def build_parser() -> argparse.ArgumentParser:
     sl.set_defaults(json=False, quiet=True, verbose=False)
 
     d = sub.add_parser("demo", parents=[common],
-                       help="build a sample dataset, stage it, verify it, print the summary",
-                       description="Builds a labelled sample dataset (small files and a few large ones) in a local "
-                                   "folder standing in for shared storage, stages it, stages it again (reuse), "
-                                   "verifies it and prints what happened.")
+                       help="the main job on a sample dataset: stage, reuse, verify, train, release",
+                       description="Draws a folder of JPEGs of different sizes (five classes of shapes) standing in "
+                                   "for a dataset on shared storage, stages it, stages it again (everything "
+                                   "reused), verifies it, trains a small CNN on it through stagingloader.DataLoader "
+                                   "with the loader's stats and diagnosis, then releases and removes the staged "
+                                   "copy (--keep keeps it).")
     d.add_argument("--workdir", default=os.path.join(os.getcwd(), "stagingloader-demo"), metavar="DIR",
                    help="where the sample source lives (default: ./stagingloader-demo)")
     d.add_argument("--root", default="auto", metavar="DIR|auto", help="staging root (default: auto)")
-    d.add_argument("--files", type=_positive_int, default=3000, metavar="N", help="small files (default: 3000)")
+    d.add_argument("--files", type=_positive_int, default=500, metavar="N", help="JPEGs to draw (default: 500)")
+    d.add_argument("--epochs", type=_positive_int, default=3, metavar="N", help="training epochs (default: 3)")
+    d.add_argument("--keep", action="store_true", help="keep the staged copy afterwards (default: remove it)")
     return p
 
 

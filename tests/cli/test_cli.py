@@ -153,6 +153,16 @@ def test_manifest_command_and_demo(tmp_path: Path) -> None:
     assert out["files"] == 2 and Path(out["manifest"]).exists()
     root = tmp_path / "root"
     root.mkdir()
-    demo = cli_json("demo", "--workdir", str(tmp_path / "demo"), "--root", str(root), "--files", "200")
+    demo = cli_json("demo", "--workdir", str(tmp_path / "demo"), "--root", str(root), "--files", "60", "--epochs", "1")
     assert demo["ok"] and demo["verify"]["ok"]
-    assert demo["stages"]["first"]["copied_files"] == 203 and demo["stages"]["again"]["copied_files"] == 0
+    jpegs = sorted((tmp_path / "demo" / "shared-storage" / "train").rglob("*.jpg"))
+    assert len(jpegs) == 60 and len({p.stat().st_size for p in jpegs}) > 30  # real JPEGs of different sizes
+    assert demo["stages"]["first"]["copied_files"] == 61 and demo["stages"]["again"]["copied_files"] == 0
+    assert demo["training"]["loader"]["samples"] == 60 and demo["training"]["epochs"] == 1
+    # the demo leaves nothing staged behind (a tmpfs would hold it in RAM), unless asked to keep it
+    assert not Path(demo["dataset_dir"]).exists() and list(root.iterdir()) == []
+    kept = cli_json("demo", "--workdir", str(tmp_path / "demo"), "--root", str(root), "--files", "60",
+                    "--epochs", "1", "--keep")
+    assert Path(kept["dataset_dir"]).is_dir()
+    listed = cli_json("ls", "--root", str(root))
+    assert [d["leases"] for d in listed["datasets"]] == [[]]  # kept, but its lease released: gc may evict it
