@@ -50,8 +50,9 @@ def tier_of(path: Path, max_ram_fraction: float) -> Tier:
     to this process's memory cgroup (a Slurm job's, a container's), so the same rule applies to the
     cgroup's limit: budget <= (limit - usage) - (1 - fraction) x limit.
     """
-    mount = mount_of(path)
-    free = free_bytes(path)
+    measured = path if path.exists() else path.parent  # a folder a dry run did not create
+    mount = mount_of(measured)
+    free = free_bytes(measured)
     budget = free
     binding = None
     if mount.is_memory:
@@ -98,10 +99,12 @@ def auto_candidates(env: Mapping[str, str], user: str) -> list[tuple[Path, str]]
 
 
 def resolve_root(root: str, needed: int, key: str, *, max_ram_fraction: float,
-                 env: Mapping[str, str], user: str) -> tuple[Tier, str]:
+                 env: Mapping[str, str], user: str, create: bool = True) -> tuple[Tier, str]:
     """Pick the staging root: the one given, or for ``auto`` the first candidate that fits.
 
-    Returns the tier and why it was chosen.  A root that already holds this dataset wins.
+    Returns the tier and why it was chosen.  A root that already holds this dataset wins.  With
+    ``create=False`` (a dry run) nothing is created: a candidate folder that does not exist yet is
+    measured on its parent.
     """
     if root != "auto":
         path = Path(root).expanduser().absolute()
@@ -120,7 +123,8 @@ def resolve_root(root: str, needed: int, key: str, *, max_ram_fraction: float,
     for path, why in candidates:
         if not _usable(path.parent):
             continue
-        path.mkdir(mode=0o700, exist_ok=True)
+        if create:
+            path.mkdir(mode=0o700, exist_ok=True)
         tier = tier_of(path, max_ram_fraction)
         if tier.budget >= needed:
             return tier, why

@@ -117,11 +117,14 @@ def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = N
     identity = source.identity() + _selection_suffix(opts)
     key = dataset_key(identity)
     tier, why = resolve_root(opts.root, total, key, max_ram_fraction=opts.max_ram_fraction, env=env,
-                             user=current_user())
-    say(f"staging {source.url} ({len(listing)} files, {human_bytes(total)}) into {tier.describe()}: {why}")
+                             user=current_user(), create=not opts.dry_run)
+    say(f"{'would stage' if opts.dry_run else 'staging'} {source.url} ({len(listing)} files, {human_bytes(total)}) "
+        f"into {tier.describe()}: {why}")
     run = _Run(source=source, listing=listing, opts=opts, tier=tier, why=why, ddir=DatasetDir(tier.path / key),
                t0=t0, say=say)
-    if run.ddir.path.is_dir() and not os.access(run.ddir.path, os.W_OK) and not opts.dry_run:
+    if opts.dry_run:
+        return _dry_run(run)
+    if run.ddir.path.is_dir() and not os.access(run.ddir.path, os.W_OK):
         return _use_read_only(run)
     try:
         run.ddir.path.mkdir(mode=0o700, exist_ok=True)
@@ -197,8 +200,6 @@ def _stage_locked(run: _Run, *, identity: str, callback: Any, on_file: Callable[
     incoming = Incoming(ddir.incoming, fsync=run.fsync)
     done, stray = incoming.load({f.rel: f for f in run.listing}) if ddir.incoming.exists() else ({}, 0)
     plan = make_plan(run.listing, base, base_bad=base_bad, incoming=done, free_bytes=run.tier.budget + stray)
-    if run.opts.dry_run:
-        return StagePlan(run.source.url, str(run.tier.path), run.why, str(ddir.path), plan)
     _refuse_if_short(run, plan)
     copier = None
     if plan.up_to_date:
@@ -217,6 +218,17 @@ def _stage_locked(run: _Run, *, identity: str, callback: Any, on_file: Callable[
     ddir.touch()
     return StagedDataset(run.source.url, ddir.version_dir(version) / "data", version, ddir.path, manifest,
                          _report(run, plan, manifest, version, copier), lease_name)
+
+
+def _dry_run(run: _Run) -> StagePlan:
+    """What a stage would do, found without writing anything: no folder, no lock, no lease, no switch."""
+    ddir = run.ddir
+    base_version, base = _load_base(ddir, run.say, publish=False) if ddir.path.is_dir() else (None, None)
+    base_bad = _check_base(run, base_version, base, _expected_digests(run.source))
+    incoming = Incoming(ddir.incoming, fsync=False)
+    done, stray = incoming.load({f.rel: f for f in run.listing}) if ddir.incoming.is_dir() else ({}, 0)
+    plan = make_plan(run.listing, base, base_bad=base_bad, incoming=done, free_bytes=run.tier.budget + stray)
+    return StagePlan(run.source.url, str(run.tier.path), run.why, str(ddir.path), plan)
 
 
 def _record_dataset(run: _Run, identity: str) -> None:
@@ -284,7 +296,9 @@ def _report(run: _Run, plan: CopyPlan, manifest: Manifest, version: str, copier:
     )
 
 
-def _load_base(ddir: DatasetDir, say: Callable[[str], None]) -> tuple[str | None, Manifest | None]:
+def _load_base(ddir: DatasetDir, say: Callable[[str], None], *,
+               publish: bool = True) -> tuple[str | None, Manifest | None]:
+    """The published version and its manifest; a version whose switch was interrupted is published now."""
     version = ddir.current()
     if version is None:
         versions = ddir.versions()
@@ -292,7 +306,8 @@ def _load_base(ddir: DatasetDir, say: Callable[[str], None]) -> tuple[str | None
         if not complete:
             return None, None
         version = complete[-1]  # published but the switch was interrupted
-        ddir.publish(version)
+        if publish:
+            ddir.publish(version)
     try:
         return version, ddir.load_manifest(version)
     except ManifestError as e:
