@@ -48,6 +48,44 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
                         "only tests marked gpu may skip")
 
 
+SHM = Path("/dev/shm")
+
+
+def _shm_entries() -> set[Path]:
+    """Our names in /dev/shm, and the datasets inside the per-user roots there."""
+    found: set[Path] = set()
+    with contextlib.suppress(OSError):
+        for p in SHM.iterdir():
+            if p.name.startswith(("stagingloader", "sl-")):
+                found.add(p)
+                if p.is_dir() and not p.is_symlink() and p.name.startswith("stagingloader"):
+                    with contextlib.suppress(OSError):
+                        found.update(p.iterdir())
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Keep the suite out of the real home (the roots registry) and leave /dev/shm as it was found: a tmpfs
+    holds what a test leaves there in RAM until someone deletes it."""
+    before = _shm_entries()
+    old = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("xdg-state"))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("XDG_STATE_HOME", None)
+        else:
+            os.environ["XDG_STATE_HOME"] = old
+        for leftover in sorted(_shm_entries() - before, key=lambda p: -len(p.parts)):
+            if leftover.is_dir() and not leftover.is_symlink():
+                subprocess.run(["rm", "-rf", "--one-file-system", str(leftover)], check=False)
+            else:
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
+
+
 @pytest.fixture
 def src(tmp_path: Path) -> Path:
     """A small source tree: 40 labelled files in two classes, one nested deeper, one empty file."""

@@ -15,6 +15,7 @@ from . import leases
 from .capacity import auto_candidates
 from .layout import DatasetDir, current_user, find_dataset_dir
 from .locking import DatasetLock, is_locked
+from .registry import known_roots
 
 
 @dataclass(frozen=True)
@@ -34,14 +35,20 @@ class DatasetInfo:
 
 
 def roots(root: str, env: Mapping[str, str]) -> list[Path]:
-    """The staging roots to look in: the one given, or every ``auto`` candidate that exists."""
+    """The staging roots to look in: the one given; or, for ``auto``, ``$STAGINGLOADER_ROOT``, every ``auto``
+    candidate that exists, and every root this user staged into on this node (so nobody has to remember
+    which ``--root`` they gave)."""
     if root != "auto":
         return [Path(root).expanduser().absolute()]
     out = []
     if env.get("STAGINGLOADER_ROOT"):
         out.append(Path(env["STAGINGLOADER_ROOT"]).expanduser().absolute())
     out += [p for p, _ in auto_candidates(env, current_user()) if p.is_dir()]
-    return out
+    out += known_roots(env)
+    unique: dict[str, Path] = {}
+    for p in out:
+        unique.setdefault(os.path.realpath(p), p)
+    return list(unique.values())
 
 
 def datasets(root: Path) -> Iterator[DatasetDir]:

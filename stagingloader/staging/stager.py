@@ -28,6 +28,7 @@ from ..cache.capacity import Tier, resolve_root
 from ..cache.layout import DatasetDir, current_user, dataset_key, safe_join
 from ..cache.locking import DatasetLock
 from ..cache.manifest import Entry, Manifest
+from ..cache.registry import remember_root
 from ..errors import InternalError, ManifestError, NoSpaceError, RootError, UsageError
 from ..units import human_bytes
 from .copier import Copier, CopySettings, Progress, as_root_error
@@ -130,6 +131,7 @@ def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = N
         run.ddir.path.mkdir(mode=0o700, exist_ok=True)
     except PermissionError:
         raise RootError(f"cannot create {run.ddir.path}: permission denied; pick another --root") from None
+    remember_root(tier.path, env)
     with DatasetLock(run.ddir.lock_file, timeout=opts.lock_timeout, on_wait=say):
         return _stage_locked(run, identity=identity, callback=callback, on_file=on_file, pid_lease=pid_lease)
 

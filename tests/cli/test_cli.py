@@ -166,3 +166,19 @@ def test_manifest_command_and_demo(tmp_path: Path) -> None:
     assert Path(kept["dataset_dir"]).is_dir()
     listed = cli_json("ls", "--root", str(root))
     assert [d["leases"] for d in listed["datasets"]] == [[]]  # kept, but its lease released: gc may evict it
+
+
+def test_where_is_my_data_without_remembering_the_root(src: Path, root: Path, tmp_path: Path) -> None:
+    """Stage with an explicit --root; ls, verify and release find it again by folder or source URL, no --root."""
+    env = {"XDG_STATE_HOME": str(tmp_path / "state"), "STAGINGLOADER_ROOT": ""}
+    staged = cli_json("stage", str(src), "--root", str(root), "--lease", "mine", env=env)
+    assert Path(staged["dataset_dir"]).parent == root  # the rule: ROOT/<key>
+    listed = cli_json("ls", env=env)
+    assert [d["path"] for d in listed["datasets"] if d["source"] == str(src)] == [staged["dataset_dir"]]
+    assert cli_json("verify", str(src), env=env)["ok"]  # named by its source
+    assert cli_json("verify", staged["dataset_dir"], env=env)["ok"]  # or by its folder
+    released = cli_json("release", str(src), "--lease", "mine", env=env)
+    assert released["dataset"] == staged["dataset_dir"]
+    other_host_state = tmp_path / "fresh-state"  # a user who never staged here finds nothing there
+    fresh = cli_json("ls", env={**env, "XDG_STATE_HOME": str(other_host_state)})
+    assert staged["dataset_dir"] not in [d["path"] for d in fresh["datasets"]]
