@@ -182,3 +182,16 @@ def test_where_is_my_data_without_remembering_the_root(src: Path, root: Path, tm
     other_host_state = tmp_path / "fresh-state"  # a user who never staged here finds nothing there
     fresh = cli_json("ls", env={**env, "XDG_STATE_HOME": str(other_host_state)})
     assert staged["dataset_dir"] not in [d["path"] for d in fresh["datasets"]]
+
+
+def test_argument_errors_are_one_line_and_json_with_json() -> None:
+    out = run_cli("stage", "--json")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "stagingloader: error: the following arguments are required: SRC; see `stagingloader stage --help`"]
+    assert json.loads(out.stdout) == {"ok": False, "error": "UsageError", "exit_code": 2,
+                                      "message": "the following arguments are required: SRC; "
+                                                 "see `stagingloader stage --help`"}
+    bad = run_cli("stage", "/x", "--workers", "zero")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--workers" in bad.stderr
+    assert bad.stdout == ""
