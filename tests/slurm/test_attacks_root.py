@@ -116,8 +116,8 @@ def test_supervisor_1_never_becomes_kill_minus_one(hooks: Hooks) -> None:
     script = (
         "import json, subprocess, sys, time\n"
         "victim = subprocess.Popen(['sleep', '120'])\n"
-        f"rc = subprocess.run([sys.executable, '-m', 'stagingloader', 'slurm', 'epilog'], env={hooks.env(comment, 22)!r},"
-        " cwd='/', capture_output=True, timeout=60).returncode\n"
+        "rc = subprocess.run([sys.executable, '-m', 'stagingloader', 'slurm', 'epilog'],"
+        f" env={hooks.env(comment, 22)!r}, cwd='/', capture_output=True, timeout=60).returncode\n"
         "time.sleep(0.2)\n"
         "print(json.dumps({'rc': rc, 'alive': victim.poll() is None}))\n"
         "victim.kill()\n"
@@ -203,3 +203,17 @@ def test_state_and_log_folders_a_user_can_write_are_not_used_by_root(hooks: Hook
     epi = subprocess.run([sys.executable, "-m", "stagingloader", "slurm", "epilog"], env=env, cwd="/",
                          capture_output=True, text=True, timeout=20)
     assert epi.returncode == 0 and snapshot(shm) == before
+
+
+def test_a_site_config_a_user_can_write_decides_nothing(hooks: Hooks) -> None:
+    mine = hooks.base / "mine"
+    mine.mkdir()
+    os.chown(mine, hooks.user.pw_uid, hooks.user.pw_gid)
+    hooks.config.chmod(0o666)  # an admin's slip: now the user chooses where root works
+    as_user("sh", "-c", f"printf 'state_dir = \"{mine}/state\"\\nlog_dir = \"{mine}/log\"\\n"
+                        f"[roots]\\ntmpfs = \"{mine}/root\"\\n' > {hooks.config}")
+    comment = f"stage={hooks.base / 'src' / 'data'}"
+    proc = hooks.hook("prolog", comment, 26)
+    assert proc.returncode == 0 and str(hooks.config) in proc.stderr, proc.stderr
+    assert list(mine.iterdir()) == []
+    assert hooks.hook("epilog", comment, 26).returncode == 0 and list(mine.iterdir()) == []
