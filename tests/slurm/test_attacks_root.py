@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -217,3 +218,46 @@ def test_a_site_config_a_user_can_write_decides_nothing(hooks: Hooks) -> None:
     assert proc.returncode == 0 and str(hooks.config) in proc.stderr, proc.stderr
     assert list(mine.iterdir()) == []
     assert hooks.hook("epilog", comment, 26).returncode == 0 and list(mine.iterdir()) == []
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def _group(pgid: int) -> list[int]:
+    found = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(p)) == pgid and _running(int(p)):
+                found.append(int(p))
+        except ProcessLookupError:
+            pass
+    return found
+
+
+def test_the_epilog_still_stops_the_stager_it_started(hooks: Hooks) -> None:
+    """The other side of the checks above: a supervisor still staging at the end of the job is stopped."""
+    comment = staged_job(hooks, 27)
+    ddir = Path(hooks.exports(comment, 27)["STAGINGLOADER_DATASET"]).parent.parent
+    assert hooks.hook("epilog", comment, 27).returncode == 0
+    (hooks.base / "src" / "data" / "d" / "new.bin").write_bytes(b"n" * 5000)  # job 28 has something to copy
+    hooks.configure(budget_seconds=0)
+    with DatasetLock(ddir / ".lock", timeout=1):  # job 28's stager waits for this lock: still staging at its end
+        assert hooks.hook("prolog", comment, 28).returncode == 0
+        deadline = time.monotonic() + 30
+        while True:  # until the supervisor has recorded itself and started its worker (which waits for the lock)
+            record = json.loads((hooks.base / "state" / "root" / "job-28.json").read_text())
+            supervisor = (record.get("supervisor") or {}).get("pid", 0)
+            if supervisor and len(_group(supervisor)) >= 2:
+                break
+            assert time.monotonic() < deadline, (record, hooks.log(28))
+            time.sleep(0.05)
+        assert record["state"] == "staging"
+        assert hooks.hook("epilog", comment, 28).returncode == 0
+        assert not _running(supervisor), hooks.log(28)
+        assert _group(supervisor) == [], "the stager's worker outlived it"
+    assert "stopped the stager" in hooks.log(28)
