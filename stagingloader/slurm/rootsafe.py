@@ -63,6 +63,24 @@ def _trusted_uids() -> set[int]:
     return {0, os.geteuid()}
 
 
+def _gid_min() -> int:
+    """The first gid of ordinary groups (``GID_MIN`` in /etc/login.defs): below it, groups of daemons."""
+    with contextlib.suppress(OSError, ValueError), open("/etc/login.defs") as f:
+        for line in f:
+            words = line.split()
+            if len(words) == 2 and words[0] == "GID_MIN":
+                return int(words[1])
+    return 1000
+
+
+def _others_can_write(st: os.stat_result) -> bool:
+    """World-writable, or writable by a group users may be in: a system group (Ubuntu's ``/var/log`` is
+    ``root:syslog 0775``) holds daemons, not job users; ``users`` (gid 100) and ordinary groups do."""
+    if st.st_mode & 0o002:
+        return True
+    return bool(st.st_mode & 0o020) and (st.st_gid >= _gid_min() or st.st_gid == 100)
+
+
 def _refuse(path: Path, why: str) -> CacheError:
     return CacheError(f"{path} is {describe(path)}: {why}; the hooks will not use it until an admin removes it "
                       "(create the hooks' folders at boot, root-owned: see docs/slurm.md)")
@@ -95,7 +113,7 @@ def check_trusted_dir(path: Path, *, sticky_ok: bool = False, _depth: int = 0) -
             raise _refuse(cur, "not a folder")
         if st.st_uid not in trusted:
             raise _refuse(cur, "root does not own it")
-        if st.st_mode & 0o022 and ((final and not sticky_ok) or not st.st_mode & stat.S_ISVTX):
+        if _others_can_write(st) and ((final and not sticky_ok) or not st.st_mode & stat.S_ISVTX):
             raise _refuse(cur, "others can write into it")
 
 
@@ -107,7 +125,7 @@ def check_trusted_file(path: Path) -> None:
         target = Path(os.path.realpath(path))
         check_trusted_dir(target.parent)
         st = os.lstat(target)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid not in _trusted_uids() or st.st_mode & 0o022:
+    if not stat.S_ISREG(st.st_mode) or st.st_uid not in _trusted_uids() or _others_can_write(st):
         raise _refuse(path, "not a file that only root can change")
 
 
