@@ -363,6 +363,8 @@ def _epilog(cfg: site_config.SiteConfig, job: str, user: JobUser, record: dict[s
         if d["shared"]:  # root's own folders: checked, then released as root (never cleaned: other jobs use it)
             ddirs = [Path(d["dataset_dir"])] if d["dataset_dir"] else _datasets_named(d)
             for dd in ddirs:
+                if not os.path.lexists(dd):
+                    continue
                 try:
                     rootsafe.check_trusted_dir(dd)
                 except (OSError, CacheError) as e:

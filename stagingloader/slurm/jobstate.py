@@ -41,9 +41,13 @@ class JobLog:
         try:
             d = rootsafe.make_trusted_dir(cfg.path(cfg.log_dir), 0o755)
             path = d / f"{job}.log"
+            owners = {os.geteuid()} | ({user.uid} if user is not None else set())
             try:
                 fd = rootsafe.open_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-            except CacheError:  # not a plain file: root's folder, so root may replace it
+                if os.fstat(fd).st_uid not in owners:  # an older job's (a job id reused): not this user's to read
+                    os.close(fd)
+                    raise CacheError(f"{path} belongs to another job")
+            except CacheError:  # not a plain file of this job: root's folder, so root may replace it
                 path.unlink()
                 fd = rootsafe.open_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
             if user is not None and os.geteuid() == 0:

@@ -261,3 +261,16 @@ def test_the_epilog_still_stops_the_stager_it_started(hooks: Hooks) -> None:
         assert not _running(supervisor), hooks.log(28)
         assert _group(supervisor) == [], "the stager's worker outlived it"
     assert "stopped the stager" in hooks.log(28)
+
+
+def test_a_job_log_left_by_another_users_job_is_not_handed_over(hooks: Hooks) -> None:
+    """Job ids restart (a reinstalled controller): the new job's user must not get the old job's log."""
+    other = ensure_user("sltest2")
+    old = hooks.base / "log" / "29.log"
+    old.parent.mkdir(mode=0o755)
+    old.write_text("sltest2's job log: /home/sltest2/private-project\n")
+    os.chown(old, other.pw_uid, other.pw_gid)
+    old.chmod(0o600)
+    staged_job(hooks, 29)
+    assert old.stat().st_uid == hooks.user.pw_uid
+    assert "sltest2" not in old.read_text() and "asks" in old.read_text()
