@@ -324,6 +324,10 @@ def epilog(env: Mapping[str, str]) -> int:
     record = jobstate.read_record(cfg, job)  # never the job's copy: its user can write that
     if record is None:
         return 0
+    if record.get("uid") != user.uid:  # left by an older job with this id, another user's: not this job's
+        log.warning("stagingloader epilog: job %s: dropped a record of uid %s's job", job, record.get("uid"))
+        jobstate.remove(cfg, job)
+        return 0
     say = JobLog(cfg, job, "epilog", user)
     try:
         _epilog(cfg, job, user, record, say)

@@ -100,7 +100,8 @@ def write_status(cfg: site_config.SiteConfig, job: str, user: JobUser | None, st
     """Root's record (what the epilog acts on), then the job's copy (what the task prolog reads)."""
     d = state_dir(cfg)
     rootsafe.make_trusted_dir(d / "root", 0o700)
-    _write(record_path(cfg, job), json.dumps(status, indent=1).encode(), None)
+    record = {**status, "uid": user.uid if user is not None else None}  # whose job: job ids can come back
+    _write(record_path(cfg, job), json.dumps(record, indent=1).encode(), None)
     view = {k: v for k, v in status.items() if k != "supervisor"}
     _write(view_path(cfg, job), json.dumps(view, indent=1).encode(), user)
 
