@@ -206,6 +206,21 @@ def process_info(pid: int) -> ProcessInfo | None:
         return None
 
 
+def _group_running(pgid: int) -> bool:
+    """Does any process of group ``pgid`` still run (not a zombie)?"""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid).encode() and fields[0] != b"Z":
+            return True
+    return False
+
+
 def me() -> dict[str, int]:
     """This process, as the record the epilog checks before signalling it: ``{"pid", "start"}``."""
     info = process_info(os.getpid())
@@ -241,6 +256,8 @@ def stop_group(record: object, say: Callable[[str], None], *, grace: float = 5.0
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             os.killpg(pid, 0)
+            if not _group_running(pid):  # only zombies left (their parent is gone; init reaps them)
+                return True
             time.sleep(0.05)
         leader = process_info(pid)
         if leader is not None and leader.start != record["start"]:
