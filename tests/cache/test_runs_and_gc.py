@@ -46,6 +46,9 @@ def test_two_cli_stages_by_one_user_keep_both_versions_while_their_callers_live(
     assert held == {"v1", "v2"}
     listing = cli_json("ls", "--root", str(root))["datasets"][0]
     assert {d["holder"] for d in listing["lease_details"]} == {f"process {os.getpid()}"}
+    released = cli_json("release", listing["path"], "--root", str(root), env=NO_SLURM)  # the caller's leases
+    assert sorted(released["leases"]) == sorted([first["lease"], second["lease"]])
+    assert not leases.live(_dataset(root))
 
 
 def test_a_lease_whose_caller_is_gone_is_reclaimed(src: Path, root: Path) -> None:
@@ -98,7 +101,7 @@ def test_gc_never_removes_a_version_a_stager_published_between_its_reads(
     def restage() -> None:
         try:
             staged.append(sl.stage(str(src), str(root)))  # publishes v2, leases it, unlocks
-        except BaseException as e:  # noqa: BLE001 - carried to the test
+        except BaseException as e:
             errors.append(e)
 
     real_versions = DatasetDir.versions
@@ -189,3 +192,14 @@ def test_gc_keeps_incoming_while_its_stager_holds_the_lock(tmp_path: Path, root:
     with DatasetLock(d.lock_file, timeout=5):
         housekeeping.gc(str(root), 0, {})
         assert d.incoming.exists(), "gc removed incoming data under a live stager"
+
+
+def test_a_dataset_a_killed_gc_left_half_deleted_is_never_listed_and_is_swept(src: Path, root: Path) -> None:
+    sl.stage(str(src), str(root), lease="x").release()
+    d = _dataset(root)
+    aside = root / f".deleting-{d.key}-12345"
+    os.rename(d.path, aside)  # what gc's removal does first; a kill here leaves it so
+    (aside / "current").unlink()  # half-deleted
+    assert cli_json("ls", "--root", str(root))["datasets"] == []
+    housekeeping.gc(str(root), 1 << 40, {})
+    assert not aside.exists()
