@@ -39,8 +39,8 @@ from .. import digest as dg
 from ..cache.layout import safe_join
 from ..cache.manifest import Entry
 from ..errors import NoSpaceError, SourceChangedError, StagingError, VerificationError
-from .incoming import Incoming, partial_id
 from . import stable
+from .incoming import Incoming, partial_id
 from .retry import as_source_error
 from .sources import Source, SourceFile
 

@@ -83,7 +83,7 @@ def test_a_file_that_never_stops_changing_is_refused_by_name(
             _rewrite_in_place(target, flips[count[0] % 2])
 
     readv_hook.append(rewrite_always)
-    with pytest.raises(SourceChangedError, match="big.bin"):
+    with pytest.raises(SourceChangedError, match=r"big\.bin"):
         sl.stage(str(src), str(root))
     assert not any(root.rglob("v1")), "a version was published from a file that kept changing"
 
@@ -104,7 +104,7 @@ def test_a_file_swapped_for_a_link_after_listing_is_refused(tmp_path: Path, root
         return out
 
     monkeypatch.setattr(sources.Source, "listing", listing_then_swap)
-    with pytest.raises(SourceError, match="victim.bin"):
+    with pytest.raises(SourceError, match=r"victim\.bin"):
         sl.stage(str(src), str(root))
     for p in root.rglob("*"):
         if p.is_file() and not p.is_symlink():
