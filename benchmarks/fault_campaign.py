@@ -67,27 +67,34 @@ where = {"listing": (os, "scandir"), "range": (copier.Copier, "_fetch_range"),
          "small-file": (copier.Copier, "_copy_small"), "journal": (incoming.Incoming, "flush"),
          "manifest": (manifest.Manifest, "save"), "publish": (layout.DatasetDir, "publish"),
          "gc-version": (layout.DatasetDir, "remove_version"), "gc-unlink": (os, "unlink"),
-         "gc-rmtree": (shutil, "rmtree")}[step]
-setattr(where[0], where[1], killing(getattr(where[0], where[1])))
+         "gc-rmtree": (shutil, "rmtree"), "at-time": None}[step]
+if where is None:  # a kill at a moment, wherever the stage is then
+    import threading
+    timer = threading.Timer(nth / 1000, os.kill, (os.getpid(), signal.SIGKILL))
+    timer.daemon = True
+    timer.start()
+else:
+    setattr(where[0], where[1], killing(getattr(where[0], where[1])))
 if step.startswith("gc"):
     housekeeping.gc(root, 0, {})
 else:
     sl.stage(src, root, workers=4, lease="campaign")
 """
 
-KILL_POINTS = {  # step -> the calls to die at
-    "listing": [1, 2, 3, 4],
-    "range": [1, 2, 3, 4, 5, 6],
-    "small-file": [1, 20, 64, 65, 100, 150, 200, 250, 299],
-    "journal": [1, 2, 3, 5, 8],
+KILL_POINTS = {  # step -> the calls to die at (for "at-time": milliseconds after the stage starts)
+    "listing": [1, 2, 3, 4, 5, 6],
+    "range": [1, 2, 3, 4, 5],
+    "small-file": [1, 5, 10, 20, 30, 40, 64, 65, 80, 100, 128, 150, 180, 200, 220, 250, 299],
+    "journal": [1, 2, 3, 4, 5],
     "manifest": [1],
     "publish": [1],
-    "gc-version": [1, 2],
+    "at-time": [5, 15, 30, 45, 60, 80, 100, 130, 160, 200],
+    "gc-version": [1],
     "gc-unlink": [1, 5, 20, 60, 120, 200, 300, 400],
     "gc-rmtree": [1, 2],
 }
 QUICK_POINTS = {"listing": [2], "range": [3], "small-file": [70, 200], "journal": [2], "manifest": [1],
-                "publish": [1], "gc-version": [1], "gc-unlink": [50], "gc-rmtree": [1]}
+                "publish": [1], "gc-version": [1], "gc-unlink": [50], "gc-rmtree": [1]}  # every one is reached
 
 
 def kill_tree(where: Path) -> Path:
