@@ -415,6 +415,15 @@ def part_s3(work: Path, quick: bool) -> dict[str, Any]:
 PARTS = {"kills": part_kills, "race": part_race, "enospc": part_enospc, "rewrite": part_rewrite, "s3": part_s3}
 
 
+def run_parts(args: argparse.Namespace, work: Path, report: dict[str, Any]) -> None:
+    for name in args.parts.split(","):
+        t = time.perf_counter()
+        report[name] = PARTS[name](work, args.quick)
+        report[name]["seconds"] = round(time.perf_counter() - t, 1)
+        if not args.json:
+            print(f"{name:<8} " + ", ".join(f"{k}: {v}" for k, v in report[name].items()), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the CI slice: fewer points, rounds and trials")
@@ -423,16 +432,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     report: dict[str, Any] = {}
-    work = Path(tempfile.mkdtemp(prefix="sl-campaign-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    try:
-        for name in args.parts.split(","):
-            t = time.perf_counter()
-            report[name] = PARTS[name](work, args.quick)
-            report[name]["seconds"] = round(time.perf_counter() - t, 1)
-            if not args.json:
-                print(f"{name:<8} " + ", ".join(f"{k}: {v}" for k, v in report[name].items()), flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix="sl-campaign-"))
+    with contextlib.ExitStack() as stack:
+        if os.geteuid() == 0:  # a tmpfs of its own: fast, and out of reach of whatever cleans /dev/shm
+            stack.enter_context(small_tmpfs(work, "2g"))
+        run_parts(args, work, report)
+    shutil.rmtree(work, ignore_errors=True)
     parts = report.values()
     total = {
         "runs": sum(p.get("runs", 0) + p.get("stage rounds", 0) + p.get("gc runs", 0) for p in parts),
