@@ -142,7 +142,7 @@ def gc(root: str, keep_bytes: int, env: Mapping[str, str], *, dry_run: bool = Fa
     found = [d for r in roots(root, env) for d in datasets(r)]
     removed = [name for d in found for name in _drop_old_versions(d, dry_run=dry_run)]
     infos = [describe(d) for d in found]
-    size = {i.key: i.bytes + i.incoming_bytes for i in infos}
+    size = {i.path: i.bytes + i.incoming_bytes for i in infos}
     total = sum(size.values())
     by_age = sorted(infos, key=lambda i: i.last_used)
     for info in by_age:
@@ -151,14 +151,14 @@ def gc(root: str, keep_bytes: int, env: Mapping[str, str], *, dry_run: bool = Fa
         if info.incoming_bytes and _drop_incoming(DatasetDir(Path(info.path)), dry_run=dry_run):
             removed.append(f"{info.key}/incoming")
             total -= info.incoming_bytes
-            size[info.key] -= info.incoming_bytes
+            size[info.path] -= info.incoming_bytes
     busy: list[str] = []
     for info in by_age:
         if total <= keep_bytes:
             break
         if _evict(info, dry_run=dry_run):
             removed.append(info.key)
-            total -= size[info.key]
+            total -= size[info.path]
         else:
             busy.append(info.key)
     return {"removed": removed, "busy": busy, "remaining_bytes": total, "keep_bytes": keep_bytes,
