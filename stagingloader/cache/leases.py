@@ -1,9 +1,14 @@
 """Leases: who uses which version of a staged dataset.  Eviction never removes a leased version.
 
-A lease is a small JSON file under ``<dataset>/leases/``.  It is either *named* (the CLI's
-``stage`` takes one per user or Slurm job; ``release`` drops it) or tied to a *process*
-(``stagingloader.stage()`` in a training script): a process lease on this host whose process
-has ended (pid gone, or reused by another process) is stale and removed when seen.
+Each run of ``stage`` holds its own lease, a small JSON file under ``<dataset>/leases/``:
+
+- tied to a *process*: ``stagingloader.stage()`` in a training script holds one for its own process;
+  the CLI's ``stage`` (which exits right after staging, while the job that called it reads on) holds
+  one for its caller, the job script or shell.  A process is its pid *and* its start time (from
+  ``/proc/PID/stat``), so a pid reused by another process does not keep the lease alive; a process
+  lease on this host whose process has ended is stale and removed when seen;
+- *named*: ``slurm-job-<id>`` inside a Slurm job (dropped by the epilog), or ``--lease NAME``, held
+  until ``stagingloader release``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,16 @@ class Lease:
     pid_start: int | None = None
     expires: float | None = None
 
+    @property
+    def holder(self) -> str:
+        """Who keeps this lease alive, in words (for ``ls``)."""
+        if self.pid is not None:
+            where = "" if self.host == socket.gethostname() else f" on {self.host}"
+            return f"process {self.pid}{where}"
+        if self.name.startswith("slurm-job-"):
+            return f"slurm job {self.name.removeprefix('slurm-job-')}"
+        return "named, until release"
+
     def alive(self, now: float | None = None) -> bool:
         if self.expires is not None and (now or time.time()) > self.expires:
             return False
@@ -54,14 +69,13 @@ def _process_start(pid: int) -> int | None:
         return None
 
 
-def default_lease_name(env: dict[str, str] | None = None) -> str:
-    """The CLI's lease: one per Slurm job, else one per user."""
+def default_lease_name(env: dict[str, str] | None = None) -> str | None:
+    """The CLI's named lease inside a Slurm job (``slurm-job-<id>``, dropped by the epilog); None outside one,
+    where the CLI's lease is tied to its caller's process instead."""
     env = dict(os.environ) if env is None else env
     if env.get("SLURM_JOB_ID"):
         return f"slurm-job-{env['SLURM_JOB_ID']}"
-    from .layout import current_user
-
-    return f"user-{current_user()}"
+    return None
 
 
 def check_name(name: str) -> str:
@@ -94,6 +108,17 @@ def release(ddir: DatasetDir, name: str) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def release_held_by(ddir: DatasetDir, pid: int) -> list[str]:
+    """Drop the leases this host's process ``pid`` (the one running now: same start time) holds; their names."""
+    start = _process_start(pid)
+    dropped = []
+    for lease in live(ddir):
+        if lease.pid == pid and lease.pid_start == start and lease.host == socket.gethostname() \
+                and release(ddir, lease.name):
+            dropped.append(lease.name)
+    return dropped
 
 
 def live(ddir: DatasetDir) -> list[Lease]:

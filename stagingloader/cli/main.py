@@ -187,8 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage only shard I of N (every N-th file); 'node': this node's share of a multi-node "
                         "job, from $SLURM_NODEID/$SLURM_NNODES (docs/slurm.md)")
     s.add_argument("--lease", metavar="NAME",
-                   help="lease name held until `stagingloader release` (default: slurm-job-$SLURM_JOB_ID, "
-                        "else user-$USER)")
+                   help="a named lease, held until `stagingloader release` (default: slurm-job-$SLURM_JOB_ID in a "
+                        "Slurm job, else a lease that lives as long as the shell or script that ran this command)")
 
     v = sub.add_parser("verify", parents=[common, src_opts, root_opt],
                        help="re-hash a staged copy against its manifest; exit 1 if any file is bad",
@@ -208,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("release", parents=[common, src_opts, root_opt], help="drop a lease on a staged dataset")
     r.add_argument("dataset", metavar="DATASET", help="a staged dataset's folder, or its source URL")
-    r.add_argument("--lease", metavar="NAME", help="the lease to drop (default: the one `stage` took here)")
+    r.add_argument("--lease", metavar="NAME",
+                   help="the lease to drop (default: the Slurm job's, else those `stage` took for this shell)")
 
     m = sub.add_parser("manifest", parents=[common, src_opts],
                        help="write digests next to the source, for end-to-end verification",

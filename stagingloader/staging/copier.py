@@ -39,6 +39,7 @@ from .. import digest as dg
 from ..cache.layout import safe_join
 from ..cache.manifest import Entry
 from ..errors import NoSpaceError, SourceChangedError, StagingError, VerificationError
+from . import stable
 from .incoming import Incoming, partial_id
 from .retry import as_source_error
 from .sources import Source, SourceFile
@@ -200,6 +201,7 @@ class _LargeFile:
         self.src_fd = -1
         self.ranges_fd = -1
         self.finished = False
+        self.identity: stable.Identity | None = None  #: a local source's identity when it was opened
 
 
 class Copier:
@@ -336,7 +338,7 @@ class Copier:
                 mtime_ns, size = self._read_local(f, memoryview(buf), hasher, fd)
                 etag = ""
             else:
-                data = self.source.read_range(f.rel, 0, f.size) if f.size else b""
+                data = self.source.read_range(f.rel, 0, f.size, f.etag) if f.size else b""
                 hasher.update(data)
                 _write_all(fd, memoryview(data))
                 mtime_ns, size, etag = f.mtime_ns, f.size, f.etag
@@ -355,33 +357,33 @@ class Copier:
         return entry, buf
 
     def _read_local(self, f: SourceFile, view: memoryview, hasher: xxhash.xxh3_128, out_fd: int) -> tuple[int, int]:
-        """Copy a local file into ``out_fd`` through ``view``; return the (mtime_ns, size) copied."""
+        """Copy a local file into ``out_fd`` through ``view``; return the (mtime_ns, size) copied.
+
+        The bytes are one state of the file the listing named, or the file is refused (see :mod:`.stable`).
+        """
         path = self.source.local_path(f.rel)
-        for _ in range(3):
-            try:
-                src = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise as_source_error(e, path) from e
+        for _ in range(stable.READ_TRIES):
+            src, before = stable.open_listed(path, f)
             try:
                 size = 0
                 while n := os.readv(src, [view]):
                     hasher.update(view[:n])
                     _write_all(out_fd, view[:n])
                     size += n
-                after = os.fstat(src)
+                after = stable.identity(src)
             except OSError as e:
                 if e.errno == errno.ENOSPC:
                     raise
                 raise as_source_error(e, path) from e
             finally:
                 os.close(src)
-            if size == after.st_size:
-                # the bytes read are the file as it stands (if it changed since the listing: at its new mtime)
-                return after.st_mtime_ns, size
+            if after == before and size == after.size:
+                return after.mtime_ns, size
+            log.info("%s changed while it was copied: reading it again", path)
             hasher.reset()
             os.lseek(out_fd, 0, os.SEEK_SET)
             os.ftruncate(out_fd, 0)
-        raise SourceChangedError(f"{path} kept changing while it was copied; stage again once it is stable")
+        raise stable.changing(path)
 
     def _publish(self, rel: str, tmp: str | Path, final: str | Path, entry: Entry) -> None:
         want = self.expected.get(rel)
@@ -422,10 +424,10 @@ class Copier:
         if self.source.is_local:
             path = self.source.local_path(f.rel)
             try:
-                lf.src_fd = os.open(path, os.O_RDONLY)
-            except OSError as e:
+                lf.src_fd, lf.identity = stable.open_listed(path, f)
+            except BaseException:
                 self._close_one(lf)
-                raise as_source_error(e, path) from e
+                raise
         self._large.append(lf)
         return lf
 
@@ -454,7 +456,7 @@ class Copier:
                 if n != length:
                     raise SourceChangedError(f"{path} shrank while it was copied; stage again once it is stable")
             else:
-                view = memoryview(self.source.read_range(lf.file.rel, offset, offset + length))
+                view = memoryview(self.source.read_range(lf.file.rel, offset, offset + length, lf.file.etag))
             _pwrite_all(lf.fd, view, offset)
             os.write(lf.ranges_fd, f"{offset} {length} {dg.digest_bytes(view)}\n".encode())
         self.progress.add_bytes(length)
@@ -478,10 +480,15 @@ class Copier:
         f = lf.file
         mtime_ns = f.mtime_ns
         if lf.src_fd >= 0:
-            st = os.fstat(lf.src_fd)
-            if st.st_size != f.size or st.st_mtime_ns != f.mtime_ns:
+            opened, now = lf.identity, stable.identity(lf.src_fd)
+            if opened is None or now != opened or (now.size, now.mtime_ns) != (f.size, f.mtime_ns):
+                self._close_one(lf)
+                for p in (lf.tmp, lf.ranges_path):  # ranges of a file that changed must not be resumed
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
                 raise SourceChangedError(
-                    f"{self.source.local_path(f.rel)} changed while it was copied; stage again once it is stable")
+                    f"{self.source.local_path(f.rel)} changed while it was copied (or since it was listed); "
+                    "stage again once it is stable")
         if mtime_ns:
             os.utime(lf.fd, ns=(mtime_ns, mtime_ns))
         if self.settings.fsync:

@@ -107,8 +107,12 @@ class StagePlan:
 def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = None,
               callback: Any = None, on_file: Callable[[int], None] | None = None,
               on_event: Callable[[str], None] | None = None,
-              pid_lease: bool = False) -> StagedDataset | StagePlan:
-    """Stage ``src`` as ``opts`` say; see :func:`stagingloader.stage`."""
+              holder_pid: int | None = None) -> StagedDataset | StagePlan:
+    """Stage ``src`` as ``opts`` say; see :func:`stagingloader.stage`.
+
+    The run's lease is the named one ``opts.lease`` if given, else one tied to the process ``holder_pid`` (the
+    Python API's own process; the CLI's caller), else none.
+    """
     env = dict(os.environ) if env is None else env
     say = on_event or (lambda text: log.info("%s", text))
     t0 = time.perf_counter()
@@ -133,7 +137,7 @@ def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = N
         raise RootError(f"cannot create {run.ddir.path}: permission denied; pick another --root") from None
     remember_root(tier.path, env)
     with DatasetLock(run.ddir.lock_file, timeout=opts.lock_timeout, on_wait=say):
-        return _stage_locked(run, identity=identity, callback=callback, on_file=on_file, pid_lease=pid_lease)
+        return _stage_locked(run, identity=identity, callback=callback, on_file=on_file, holder_pid=holder_pid)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,7 +195,7 @@ def _selection_suffix(opts: StageOptions) -> str:
 
 
 def _stage_locked(run: _Run, *, identity: str, callback: Any, on_file: Callable[[int], None] | None,
-                  pid_lease: bool) -> StagedDataset | StagePlan:
+                  holder_pid: int | None) -> StagedDataset | StagePlan:
     """The stage's story, under the dataset's lock: check what is staged, plan, copy, publish, lease."""
     ddir = run.ddir
     ddir.sweep_deleting()
@@ -215,7 +219,7 @@ def _stage_locked(run: _Run, *, identity: str, callback: Any, on_file: Callable[
         progress = Progress(callback, on_file)
         manifest, copier = _build_version(run, plan, incoming, done, expected, progress, base_version, version)
         _forget_repairs(ddir, version)
-    lease_name = _take_lease(run, version, pid_lease)
+    lease_name = _take_lease(run, version, holder_pid)
     _remove_unleased(ddir, keep=version)
     ddir.touch()
     return StagedDataset(run.source.url, ddir.version_dir(version) / "data", version, ddir.path, manifest,
@@ -276,12 +280,12 @@ def _forget_repairs(ddir: DatasetDir, version: str) -> None:
     ddir.write_repairs(repairs)
 
 
-def _take_lease(run: _Run, version: str, pid_lease: bool) -> str | None:
-    """A named lease (``--lease``), or one tied to this process (the Python API), or none."""
+def _take_lease(run: _Run, version: str, holder_pid: int | None) -> str | None:
+    """This run's lease: a named one (``--lease``, a Slurm job's), or one tied to the process ``holder_pid``."""
     name = run.opts.lease
-    if name is None and not pid_lease:
+    if name is None and holder_pid is None:
         return None
-    return leases.take(run.ddir, version, name=name, pid=None if name else os.getpid()).name
+    return leases.take(run.ddir, version, name=name, pid=None if name else holder_pid).name
 
 
 def _report(run: _Run, plan: CopyPlan, manifest: Manifest, version: str, copier: Copier | None) -> StageReport:
