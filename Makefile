@@ -34,7 +34,7 @@ lint: setup
 	$(BIN)/mypy
 
 test: lint
-	bash tests/support/install_slurm.sh  # Debian's Slurm and munge, for the tests that start real daemons
+	bash tests/support/install_slurm.sh  # Debian's Slurm, munge and fuse3, for the tests that start real daemons and mounts
 	$(BIN)/python -m pytest -q --strict-skips
 
 bench: setup

@@ -38,10 +38,10 @@ import xxhash
 from .. import digest as dg
 from ..cache.layout import safe_join
 from ..cache.manifest import Entry
-from ..errors import NoSpaceError, SourceChangedError, StagingError, VerificationError
+from ..errors import NoSpaceError, RootError, SourceChangedError, StagingError, VerificationError
 from . import stable
 from .incoming import Incoming, partial_id
-from .retry import as_source_error
+from .retry import as_source_error, call_with_retry, is_transient_os_error
 from .sources import Source, SourceFile
 
 log = logging.getLogger(__name__)
@@ -360,29 +360,31 @@ class Copier:
         """Copy a local file into ``out_fd`` through ``view``; return the (mtime_ns, size) copied.
 
         The bytes are one state of the file the listing named, or the file is refused (see :mod:`.stable`).
+        A transient error of a mounted share (EIO, ESTALE...) starts the read again, with back-off.
         """
         path = self.source.local_path(f.rel)
-        for _ in range(stable.READ_TRIES):
-            src, before = stable.open_listed(path, f)
-            try:
-                size = 0
-                while n := os.readv(src, [view]):
-                    hasher.update(view[:n])
-                    _write_all(out_fd, view[:n])
-                    size += n
-                after = stable.identity(src)
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise
-                raise as_source_error(e, path) from e
-            finally:
-                os.close(src)
-            if after == before and size == after.size:
-                return after.mtime_ns, size
-            log.info("%s changed while it was copied: reading it again", path)
+
+        def attempt() -> tuple[int, int] | None:
             hasher.reset()
             os.lseek(out_fd, 0, os.SEEK_SET)
             os.ftruncate(out_fd, 0)
+            src, before = stable.open_listed(path, f)
+            try:
+                size = 0
+                while n := _read_source(src, view, path):
+                    hasher.update(view[:n])
+                    _write_out(out_fd, view[:n])
+                    size += n
+                after = stable.identity(src)
+            finally:
+                os.close(src)
+            return (after.mtime_ns, size) if after == before and size == after.size else None
+
+        for _ in range(stable.READ_TRIES):
+            got = call_with_retry(attempt, path, self.source.retry, self.stop)
+            if got is not None:
+                return got
+            log.info("%s changed while it was copied: reading it again", path)
         raise stable.changing(path)
 
     def _publish(self, rel: str, tmp: str | Path, final: str | Path, entry: Entry) -> None:
@@ -449,10 +451,9 @@ class Copier:
                 buf = slots.buffer(buf)
                 view = memoryview(buf)[:length]
                 path = self.source.local_path(lf.file.rel)
-                try:
-                    n = os.preadv(lf.src_fd, [view], offset)
-                except OSError as e:
-                    raise as_source_error(e, path) from e
+                chunk = view
+                n = call_with_retry(lambda: _read_source(lf.src_fd, chunk, path, offset), path, self.source.retry,
+                                    self.stop)
                 if n != length:
                     raise SourceChangedError(f"{path} shrank while it was copied; stage again once it is stable")
             else:
@@ -519,6 +520,25 @@ class Copier:
                         p.unlink()
 
 
+def _read_source(fd: int, view: memoryview, path: str, offset: int | None = None) -> int:
+    """Read from a local source: a transient error as it is (to be retried), any other as a SourceError."""
+    try:
+        return os.readv(fd, [view]) if offset is None else os.preadv(fd, [view], offset)
+    except OSError as e:
+        if is_transient_os_error(e):
+            raise
+        raise as_source_error(e, path) from e
+
+
+def _write_out(fd: int, view: memoryview) -> None:
+    """Write to the staged copy: its errors are the staging root's (no space, read-only), never retried."""
+    try:
+        _write_all(fd, view)
+    except OSError as e:
+        err = as_root_error(e)
+        raise (err if isinstance(err, StagingError) else RootError(f"writing the staged copy failed: {e}")) from e
+
+
 def _write_all(fd: int, view: memoryview) -> None:
     while view:
         view = view[os.write(fd, view):]
@@ -539,8 +559,6 @@ def as_root_error(exc: BaseException) -> BaseException:
         return NoSpaceError(f"the staging root ran out of space{where}; partial files were removed, finished "
                             "ones are kept: free space (stagingloader gc) or pick a bigger --root, then stage again")
     if isinstance(exc, OSError) and exc.errno == errno.EROFS:
-        from ..errors import RootError
-
         return RootError(f"the staging root is read-only ({exc.filename}); remount it or pick another --root")
     return exc
 

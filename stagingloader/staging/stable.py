@@ -20,7 +20,7 @@ import stat
 from dataclasses import dataclass
 
 from ..errors import SourceChangedError
-from .retry import as_source_error
+from .retry import as_source_error, is_transient_os_error
 from .sources import SourceFile
 
 READ_TRIES = 3  #: reads of a file that changed while it was read, before it is refused
@@ -55,10 +55,15 @@ def changing(path: str) -> SourceChangedError:
 
 
 def open_listed(path: str, f: SourceFile) -> tuple[int, Identity]:
-    """Open ``path`` for reading if it is still the regular file ``f`` was listed as; return the fd and identity."""
+    """Open ``path`` for reading if it is still the regular file ``f`` was listed as; return the fd and identity.
+
+    A transient error of a mounted share (EIO, ESTALE...) is raised as it is, for the caller to retry.
+    """
     try:
         pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except OSError as e:
+        if is_transient_os_error(e):
+            raise  # as it is: the caller retries it
         raise as_source_error(e, path) from e
     try:
         st = os.fstat(pfd)
@@ -69,6 +74,8 @@ def open_listed(path: str, f: SourceFile) -> tuple[int, Identity]:
         except FileNotFoundError:  # no /proc: open by name, then check it is still the same file
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
         except OSError as e:
+            if is_transient_os_error(e):
+                raise
             raise as_source_error(e, path) from e
     finally:
         os.close(pfd)
