@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -81,8 +82,32 @@ def test_doc_gpu_block_runs(block: Block, request: pytest.FixtureRequest) -> Non
 
 
 @pytest.mark.parametrize("block", PARSED, ids=[b.name for b in PARSED])
-def test_doc_config_block_parses(block: Block) -> None:
-    tomllib.loads(block.code)
+def test_doc_config_block_parses(block: Block, tmp_path: Path) -> None:
+    """A TOML block is read as the hooks read it: a spec file (``[[stage]]``) by the spec parser, anything else as the
+    site config, by the site config loader (unknown keys, bad sizes and bad roots fail)."""
+    from stagingloader.slurm import config, request
+
+    data = tomllib.loads(block.code)
+    if "stage" in data:
+        assert request.parse_spec(block.code), block.name
+    else:
+        path = tmp_path / "config.toml"
+        path.write_text(block.code)
+        site = config.load({"STAGINGLOADER_CONFIG": str(path)})
+        assert site.roots and site.log_dir, block.name
+
+
+COMMENTS = [(b, m.group(1)) for b in BLOCKS if b.marker == "cluster"
+            for m in re.finditer(r'--comment\s+"([^"]*)"', b.code)]
+
+
+@pytest.mark.parametrize(("block", "comment"), COMMENTS, ids=[f"{b.name}:{c[:30]}" for b, c in COMMENTS])
+def test_doc_job_comments_parse(block: Block, comment: str) -> None:
+    """The Slurm blocks need a cluster, but the job comments they show are read here as the prolog reads them."""
+    from stagingloader.slurm import request
+
+    requests, spec = request.parse_comment(comment)
+    assert requests or spec, (block.name, comment)
 
 
 def test_every_block_is_run_or_marked_with_a_reason() -> None:
@@ -97,8 +122,6 @@ def test_docs_name_placeholders_the_runner_maps(world: World) -> None:
     """A block that names a path under /nfs, /lustre or /local_nvme names a path the world has: a typo in a doc
     fails here with the path, not deep in a stagingloader error.  (A path whose last part starts with ``missing`` or
     ``no-such`` is meant not to exist.)"""
-    import re
-
     missing = []
     for b in RUN + GPU:
         for m in re.finditer(r"(?<![\w./:-])/(?:nfs|lustre|local_nvme)/[\w./-]*", b.code):

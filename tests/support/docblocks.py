@@ -3,8 +3,8 @@
 What is run
     ```bash and ```sh blocks: with ``bash -e -o pipefail``, the venv's bin first on PATH (``stagingloader`` and
     ``python3`` are the venv's); ```python blocks: written to ``doc_block.py`` and run with the venv's python.
-    Each block runs in a fresh temporary folder (its cwd and $HOME).  ```toml blocks are parsed (a config a user
-    copies must at least be TOML).  ```text blocks and fences without a language are output, tables or trees:
+    Each block runs in a fresh temporary folder (its cwd and $HOME).  ```toml blocks are read as the Slurm hooks
+    read them (a ``[[stage]]`` spec file by the spec parser, anything else by the site config loader).  ```text blocks and fences without a language are output, tables or trees:
     never run, and they may not hold a line a user would type (``stagingloader ...`` or ``import ...`` at the
     start of a line; a transcript writes ``$ stagingloader ...``).  Any other language fails the inventory test:
     classify it here first.
@@ -14,7 +14,8 @@ Markers: an HTML comment on the line just before the fence, ``<!-- docs-test: KI
                         benchmarks/gpu_check.sh on a GPU machine); it skips where there is no CUDA.  It must be
                         self-contained (it cannot continue a CPU block).
     ``cluster REASON``  needs a real multi-node Slurm cluster or an admin's install (slurm.conf, hook wrappers
-                        under /usr/local/sbin): not run; the inventory test lists it with its reason.
+                        under /usr/local/sbin): not run; the ``--comment "..."`` job comments it shows are parsed
+                        as the prolog parses them.
     ``setup REASON``    builds the environment the suite itself runs in (``make test``, ``make demo``), or is the
                         script that runs the GPU tests: not run, with the reason.
     ``long REASON``     takes minutes by design (the benchmarks): not run, with the reason.
