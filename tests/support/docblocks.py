@@ -4,10 +4,10 @@ What is run
     ```bash and ```sh blocks: with ``bash -e -o pipefail``, the venv's bin first on PATH (``stagingloader`` and
     ``python3`` are the venv's); ```python blocks: written to ``doc_block.py`` and run with the venv's python.
     Each block runs in a fresh temporary folder (its cwd and $HOME).  ```toml blocks are read as the Slurm hooks
-    read them (a ``[[stage]]`` spec file by the spec parser, anything else by the site config loader).  ```text blocks and fences without a language are output, tables or trees:
-    never run, and they may not hold a line a user would type (``stagingloader ...`` or ``import ...`` at the
-    start of a line; a transcript writes ``$ stagingloader ...``).  Any other language fails the inventory test:
-    classify it here first.
+    read them (a ``[[stage]]`` spec file by the spec parser, anything else by the site config loader).
+    ```text blocks and fences without a language are output, tables or trees: never run, and they may not hold a
+    line a user would type (``stagingloader ...`` or ``import ...`` at the start of a line; a transcript writes
+    ``$ stagingloader ...``).  Any other language fails the inventory test: classify it here first.
 
 Markers: an HTML comment on the line just before the fence, ``<!-- docs-test: KIND reason -->``
     ``gpu REASON``      needs CUDA (DALI, cuFile): becomes a test marked ``gpu`` (``pytest -m gpu``, run by
