@@ -117,7 +117,8 @@ def test_every_block_is_run_or_marked_with_a_reason() -> None:
     problems = [f"{b.name}: {p}" for b in BLOCKS for p in inventory_problems(b)]
     assert not problems, "\n".join(problems)
     for b in BLOCKS:
-        assert b.runs or b.marker in ("gpu", "cluster", "setup", "long") or b.lang in ("", "text", "toml"), b.name
+        assert b.runs or b.marker in ("gpu", "slurm", "cluster", "setup", "long") or b.lang in ("", "text", "toml"), \
+            b.name
     assert len(RUN) >= 8, [b.name for b in RUN]  # the runner found the docs' blocks
 
 

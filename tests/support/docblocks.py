@@ -13,6 +13,11 @@ Markers: an HTML comment on the line just before the fence, ``<!-- docs-test: KI
     ``gpu REASON``      needs CUDA (DALI, cuFile): becomes a test marked ``gpu`` (``pytest -m gpu``, run by
                         benchmarks/gpu_check.sh on a GPU machine); it skips where there is no CUDA.  It must be
                         self-contained (it cannot continue a CPU block).
+    ``slurm``           runs as the user ``sltest`` against the suite's real two-node Slurm cluster, whose hooks
+                        stage for the jobs (tests/docs/test_docs_slurm.py): ``job.sh`` in the block's folder is a
+                        job that writes its environment to ``job-<id>.json``; after the block the runner waits for
+                        the jobs and asserts one result per ``sbatch`` line with STAGINGLOADER_STATUS=ok and the
+                        staged files equal to the source.  ``SRC`` stands for /nfs/datasets/imagenet/train.
     ``cluster REASON``  needs a real multi-node Slurm cluster or an admin's install (slurm.conf, hook wrappers
                         under /usr/local/sbin): not run; the ``--comment "..."`` job comments it shows are parsed
                         as the prolog parses them.
@@ -67,7 +72,7 @@ RUN_LANGS = {"bash": "bash", "sh": "bash", "python": "python"}
 PARSED_LANGS = {"toml"}
 OUTPUT_LANGS = {"", "text"}
 KINDS_WITH_REASON = {"gpu", "cluster", "setup", "long"}
-KINDS = KINDS_WITH_REASON | {"continues"}
+KINDS = KINDS_WITH_REASON | {"continues", "slurm"}
 
 #: absolute paths the docs use as stand-ins for a user's storage, mapped under the world's fake root
 PATH_PLACEHOLDERS = ("/nfs/", "/lustre/", "/local_nvme/")
@@ -239,6 +244,7 @@ class World:
             code = re.sub(rf"(?<![\w./:-]){re.escape(prefix)}", f"{self.fs}{prefix}", code)
         if not NAMESPACES:
             code = re.sub(r"(?<![\w./:-])/dev/shm(?=[/\s\"',]|$)", str(shm), code, flags=re.M)
+        code = re.sub(r"\bSRC\b", f"{self.fs}/nfs/datasets/imagenet/train", code)
         if "http://minio:9000" in code:
             if self.endpoint is None:
                 raise AssertionError("a block names http://minio:9000 but the world has no S3 server")
@@ -277,10 +283,24 @@ class World:
         return env
 
 
-def run_chain(blocks: list[Block], world: World, *, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Run ``blocks`` (a block and those it continues) as the docs say; raise AssertionError if one fails."""
+def run_chain(blocks: list[Block], world: World, *, timeout: float = 240, user: pwd.struct_passwd | None = None,
+              extra_env: dict[str, str] | None = None, files: dict[str, str] | None = None) -> Path:
+    """Run ``blocks`` (a block and those it continues) as the docs say; raise AssertionError if one fails.
+    Returns the folder they ran in.
+
+    With ``user``: as that user (no mount namespace), in a folder they own; ``files`` are written there first
+    (executable: a user's scripts the block names, such as ``job.sh``)."""
     home, shm = world.new_home()
-    env = world.env(home, shm)
+    for name, text in (files or {}).items():
+        (home / name).write_text(text)
+        (home / name).chmod(0o755)
+    env = world.env(home, shm) | (extra_env or {})
+    kw: dict[str, object] = {}
+    if user is not None:
+        for p in (home, shm):
+            os.chown(p, user.pw_uid, user.pw_gid)
+        env.update(USER=user.pw_name, LOGNAME=user.pw_name)
+        kw = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
     python_src: list[str] = []
     proc: subprocess.CompletedProcess[str] | None = None
     for i, block in enumerate(blocks):
@@ -295,16 +315,17 @@ def run_chain(blocks: list[Block], world: World, *, timeout: float = 240) -> sub
             argv = [sys.executable, str(script)]
         else:
             argv = ["bash", "-e", "-o", "pipefail", "-c", code]
-        if NAMESPACES:  # /dev/shm is the chain's own folder on the runner's tmpfs, in a mount namespace of its own
+        if NAMESPACES and user is None:  # /dev/shm: the chain's own folder on the tmpfs, in a namespace of its own
             argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
                     'mount --bind "$1" /dev/shm && shift && exec "$@"', "sh", str(shm), *argv]
-        proc = subprocess.run(argv, cwd=home, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(argv, cwd=home, env=env, capture_output=True, text=True, timeout=timeout,
+                              **kw)  # type: ignore[call-overload]
         if proc.returncode != 0:
             raise AssertionError(
                 f"{block.name} failed (exit {proc.returncode}) as run here:\n{code}\n"
                 f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
     assert proc is not None
-    return proc
+    return home
 
 
 __all__ = ["DOCS", "KINDS", "PATH_PLACEHOLDERS", "REPO", "Block", "World", "all_blocks", "chain", "extract",
