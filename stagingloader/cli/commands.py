@@ -287,7 +287,8 @@ def cmd_stats(args: argparse.Namespace) -> Result:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install 'stagingloader[plot]'") from None
+            raise UsageError("--plot needs matplotlib: pip install matplotlib (stagingloader's [plot] extra: "
+                             "pip install '.[plot]' in its checkout)") from None
         fig, ax = plt.subplots(figsize=(10, 3.5))
         step = 0
         for e in doc["epochs"]:

@@ -29,12 +29,12 @@ from .retry import RetryPolicy, as_source_error, call_with_retry, redact
 
 GLOB_CHARS = "*?["
 _INSTALL_HINTS = {
-    "s3": "pip install 'stagingloader[s3]'",
-    "s3a": "pip install 'stagingloader[s3]'",
+    "s3": "pip install s3fs (stagingloader's [s3] extra: pip install '.[s3]' in its checkout)",
+    "s3a": "pip install s3fs (stagingloader's [s3] extra: pip install '.[s3]' in its checkout)",
     "gs": "pip install gcsfs",
     "gcs": "pip install gcsfs",
-    "http": "pip install 'stagingloader[http]'",
-    "https": "pip install 'stagingloader[http]'",
+    "http": "pip install aiohttp (stagingloader's [http] extra: pip install '.[http]' in its checkout)",
+    "https": "pip install aiohttp (stagingloader's [http] extra: pip install '.[http]' in its checkout)",
     "az": "pip install adlfs",
     "abfs": "pip install adlfs",
 }

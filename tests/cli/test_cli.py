@@ -127,7 +127,7 @@ def test_s3_without_s3fs_gives_the_install_hint(tmp_path: Path) -> None:
     code = ("import sys; sys.modules['s3fs'] = None; from stagingloader.cli.main import main; "
             "sys.exit(main(['stage', 's3://bucket/x', '--root', '/tmp']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    _one_error(proc, 2, "pip install 'stagingloader[s3]'")
+    _one_error(proc, 2, "pip install s3fs (stagingloader's [s3] extra: pip install '.[s3]' in its checkout)")
 
 
 def test_json_errors_are_json(src: Path, tmp_path: Path) -> None:
