@@ -354,3 +354,44 @@ def test_linked_version_or_current_is_not_served(world: World, planted: str) -> 
             refused(proc)
     assert_no_poison(folder)
     assert not owned_by(theirs.parent, world.victim.pw_uid)
+
+
+# ---- the read-only reuse of a copy root staged for everyone ---------------------------------------------
+
+
+def test_roots_shared_copy_is_used_read_only_but_checked(world: World) -> None:
+    """A site-shared copy staged by root is read by A as it is; but ``--verify full`` re-hashes it and the source
+    manifest is checked against it, so a copy that differs from its manifest or from the source is refused, not
+    called "already staged and verified"."""
+    import stagingloader as sl
+    from stagingloader.cache.manifest import Manifest
+
+    src = fresh_source(world, "shared")
+    write_source_manifest(str(src))
+    (src / ".stagingloader-manifest.json").chmod(0o644)
+    root = world.root("root-shared")
+    ds = sl.stage(str(src), root=str(root), lease="site")
+    os.chmod(ds.dataset_dir, 0o755)  # as the Slurm worker does for a shared dataset
+    proc = cli(world.victim, "stage", str(src), "--root", str(root), "--verify", "full")
+    assert proc.returncode == 0 and "read-only" in proc.stdout + proc.stderr, proc.stderr
+    assert Path(proc.stdout.strip().splitlines()[-1]) == ds.root
+
+    # the copy rots in place (same size and mtime): only a re-hash sees it
+    victim_file = ds.root / "d" / "1.bin"
+    st = victim_file.stat()
+    victim_file.write_bytes(b"X" * st.st_size)
+    os.utime(victim_file, ns=(st.st_mtime_ns, st.st_mtime_ns))
+    proc = cli(world.victim, "stage", str(src), "--root", str(root), "--verify", "full")
+    assert proc.returncode == 6 and "differs" in proc.stderr and "already staged" not in proc.stdout, proc
+    proc = cli(world.victim, "verify", str(ds.dataset_dir))
+    assert proc.returncode == 1 and "d/1.bin" in proc.stdout, (proc.stdout, proc.stderr)
+
+    # its own manifest made to agree with the rotten bytes: the source manifest still says otherwise
+    mpath = ds.dataset_dir / ds.version / "manifest.json"
+    m = Manifest.load(mpath)
+    m.digest[m.index()["d/1.bin"]] = tree_digests(ds.root)["d/1.bin"]
+    m.save(mpath)
+    os.chmod(mpath, 0o644)
+    proc = cli(world.victim, "stage", str(src), "--root", str(root), "--verify", "full")
+    assert proc.returncode == 6 and "differs" in proc.stderr, (proc.stdout, proc.stderr)
+    assert not owned_by(root, world.victim.pw_uid)
