@@ -91,7 +91,10 @@ def take(ddir: DatasetDir, version: str, *, name: str | None = None, pid: int | 
 
 
 def release(ddir: DatasetDir, name: str) -> bool:
-    """Drop a lease; True if it existed."""
+    """Drop a lease; True if it existed.  Never through a link in place of ``leases/``."""
+    st = trust.lstat(ddir.leases)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return False
     try:
         (ddir.leases / f"{check_name(name)}.json").unlink()
         return True

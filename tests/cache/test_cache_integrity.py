@@ -115,3 +115,24 @@ def test_ensure_parent_creates_nothing_through_a_link(tmp_path: Path) -> None:
     with pytest.raises(sl.CacheError, match="refusing to write through"):
         inc.ensure_parent(inc.data / "a" / "b" / "c.bin")
     assert list(outside.iterdir()) == []
+
+
+def test_release_never_deletes_through_a_linked_lease_folder(src: Path, root: Path, tmp_path: Path) -> None:
+    from stagingloader.cache import leases
+    from stagingloader.cache.layout import DatasetDir
+
+    ddir = _staged(src, root)
+    outside = make_tree(tmp_path / "outside", {"job.json": 10})
+    shutil.rmtree(ddir / "leases", ignore_errors=True)
+    (ddir / "leases").symlink_to(outside)
+    assert leases.release(DatasetDir(ddir), "job") is False
+    assert (outside / "job.json").exists()
+    _refused(run_cli("stage", str(src), "--root", str(root)), str(ddir / "leases"), "symbolic link")
+    assert (outside / "job.json").exists()
+
+
+def test_world_writable_root_without_sticky_bit_is_refused(src: Path, root: Path) -> None:
+    root.chmod(0o777)
+    _refused(run_cli("stage", str(src), "--root", str(root)), str(root), "sticky")
+    root.chmod(0o1777)
+    assert run_cli("stage", str(src), "--root", str(root)).returncode == 0
