@@ -147,27 +147,29 @@ def world() -> Iterator[World]:
     victim, attacker = ensure_user(VICTIM), ensure_user(ATTACKER)
     base = Path(tempfile.mkdtemp(prefix="sl-attacks-"))
     base.chmod(0o755)
-    src = make_tree(base / "src" / "data", FILES)
-    manifested = make_tree(base / "src" / "manifested", FILES)
-    write_source_manifest(str(manifested))
-    for p in (base / "src").rglob("*"):
-        p.chmod(0o755 if p.is_dir() else 0o644)
-    (base / "src").chmod(0o755)
-    probe = python_as(victim, "import stagingloader; print(stagingloader.__file__)")
-    assert probe.returncode == 0 and probe.stdout.startswith(str(WORKTREE)), (probe.stdout, probe.stderr)
-    battic = base / "attacker"
-    battic.mkdir()
-    os.chown(battic, attacker.pw_uid, attacker.pw_gid)
-    proto = {}
-    for s in (src, manifested):
-        proc = python_as(attacker, POISON, str(s), str(battic / f"twin-{s.name}"), str(battic / f"root-{s.name}"))
-        assert proc.returncode == 0, proc.stderr
-        proto[str(s)] = Path(proc.stdout.strip().splitlines()[-1])
-    precious = Path(victim.pw_dir) / "precious"
-    w = World(base, victim, attacker, src, manifested, proto, precious)
-    yield w
-    shutil.rmtree(base, ignore_errors=True)
-    shutil.rmtree(Path("/dev/shm") / f"stagingloader-{VICTIM}", ignore_errors=True)
+    try:
+        src = make_tree(base / "src" / "data", FILES)
+        manifested = make_tree(base / "src" / "manifested", FILES)
+        write_source_manifest(str(manifested))
+        for p in (base / "src").rglob("*"):
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        (base / "src").chmod(0o755)
+        probe = python_as(victim, "import stagingloader; print(stagingloader.__file__)")
+        assert probe.returncode == 0 and probe.stdout.startswith(str(WORKTREE)), (probe.stdout, probe.stderr)
+        battic = base / "attacker"
+        battic.mkdir()
+        os.chown(battic, attacker.pw_uid, attacker.pw_gid)
+        proto = {}
+        for s in (src, manifested):
+            proc = python_as(attacker, POISON, str(s), str(battic / f"twin-{s.name}"), str(battic / f"root-{s.name}"))
+            assert proc.returncode == 0, proc.stderr
+            proto[str(s)] = Path(proc.stdout.strip().splitlines()[-1])
+        precious = Path(victim.pw_dir) / "precious"
+        w = World(base, victim, attacker, src, manifested, proto, precious)
+        yield w
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(Path("/dev/shm") / f"stagingloader-{VICTIM}", ignore_errors=True)
 
 
 @pytest.fixture
