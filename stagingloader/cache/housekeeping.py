@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import DatasetNotFoundError, ManifestError
-from . import leases
+from ..errors import CacheError, DatasetNotFoundError, ManifestError
+from . import leases, trust
 from .capacity import auto_candidates
 from .layout import DatasetDir, current_user, find_dataset_dir
 from .locking import DatasetLock, is_locked
@@ -52,12 +52,21 @@ def roots(root: str, env: Mapping[str, str]) -> list[Path]:
     out = []
     if env.get("STAGINGLOADER_ROOT"):
         out.append(Path(env["STAGINGLOADER_ROOT"]).expanduser().absolute())
-    out += [p for p, _ in auto_candidates(env, current_user()) if p.is_dir()]
+    out += [p for p, _ in auto_candidates(env, current_user()) if _own_folder(p)]
     out += known_roots(env)
     unique: dict[str, Path] = {}
     for p in out:
         unique.setdefault(os.path.realpath(p), p)
     return list(unique.values())
+
+
+def _own_folder(path: Path) -> bool:
+    """Is ``path`` a real folder of the caller's (a ``stagingloader-$USER`` someone else made is not looked in)?"""
+    try:
+        trust.check_folder(path)
+    except (OSError, CacheError):
+        return False
+    return True
 
 
 def datasets(root: Path) -> Iterator[DatasetDir]:
@@ -80,18 +89,20 @@ def sweep_deleted(root: Path) -> None:
 
 def describe(ddir: DatasetDir) -> DatasetInfo:
     info = ddir.read_info()
-    version = ddir.current()
     files = size = 0
     state = "ready"
-    if version is not None:
-        try:
+    try:
+        version = ddir.current()
+        if version is not None:
             m = ddir.load_manifest(version)
             files, size = len(m), m.total_bytes
-        except ManifestError:
-            state = "broken"
+        else:
+            state = "incomplete"
+    except (ManifestError, CacheError):
+        version, state = None, "broken"
     incoming = used_bytes(ddir.incoming)
-    if version is None:
-        state = f"incomplete, {incoming} bytes in incoming/" if incoming else "incomplete"
+    if state == "incomplete" and incoming:
+        state = f"incomplete, {incoming} bytes in incoming/"
     if is_locked(ddir.lock_file):
         state = "staging"
     live = sorted(leases.live(ddir), key=lambda lease: lease.name)
@@ -139,7 +150,7 @@ def gc(root: str, keep_bytes: int, env: Mapping[str, str], *, dry_run: bool = Fa
     if not dry_run:
         for r in roots(root, env):
             sweep_deleted(r)
-    found = [d for r in roots(root, env) for d in datasets(r)]
+    found = [d for r in roots(root, env) for d in datasets(r) if _own_folder(d.path)]  # never another user's
     removed = [name for d in found for name in _drop_old_versions(d, dry_run=dry_run)]
     infos = [describe(d) for d in found]
     size = {i.path: i.bytes + i.incoming_bytes for i in infos}

@@ -19,12 +19,14 @@ import os
 import re
 import secrets
 import socket
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import UsageError
 from ..fsio import atomic_write
+from . import trust
 from .layout import DatasetDir
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._@+-]{1,128}$")
@@ -96,13 +98,17 @@ def take(ddir: DatasetDir, version: str, *, name: str | None = None, pid: int | 
     now = time.time()
     lease = Lease(check_name(name), version, current_user(), socket.gethostname(), now, pid,
                   _process_start(pid) if pid is not None else None, now + ttl if ttl else None)
-    ddir.leases.mkdir(exist_ok=True)
+    ddir.leases.mkdir(mode=0o755, exist_ok=True)
+    trust.check_folder(ddir.leases, owners=trust.trusted_owners(), what="lease folder")
     atomic_write(ddir.leases / f"{lease.name}.json", json.dumps(asdict(lease)).encode())
     return lease
 
 
 def release(ddir: DatasetDir, name: str) -> bool:
-    """Drop a lease; True if it existed."""
+    """Drop a lease; True if it existed.  Never through a link in place of ``leases/``."""
+    st = trust.lstat(ddir.leases)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return False
     try:
         (ddir.leases / f"{check_name(name)}.json").unlink()
         return True
@@ -123,8 +129,11 @@ def release_held_by(ddir: DatasetDir, pid: int) -> list[str]:
 
 def live(ddir: DatasetDir) -> list[Lease]:
     """The leases still in force; stale ones are removed on the way."""
-    out = []
+    out: list[Lease] = []
     now = time.time()
+    st = trust.lstat(ddir.leases)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return out  # never through a link (DatasetDir.check names it)
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(ddir.leases):
             if not entry.name.endswith(".json"):
@@ -136,6 +145,6 @@ def live(ddir: DatasetDir) -> list[Lease]:
             if lease.alive(now):
                 out.append(lease)
             else:
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(FileNotFoundError, PermissionError):
                     os.unlink(entry.path)
     return out

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-from ..errors import LockTimeoutError
+from ..errors import CacheError, LockTimeoutError
 from .layout import current_user
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,13 @@ class DatasetLock:
         told = 0.0
         while True:
             self.lock_file.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except FileNotFoundError:
+                raise
+            except OSError as e:  # a folder, a link, someone else's file
+                raise CacheError(f"cannot open the lock file {self.lock_file} ({e.strerror}): it is not a file of "
+                                 f"yours; remove it (rm -r {self.lock_file}) and stage again") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -39,6 +39,7 @@ from .. import digest as dg
 from ..cache.layout import safe_join
 from ..cache.manifest import Entry
 from ..errors import NoSpaceError, RootError, SourceChangedError, StagingError, VerificationError
+from ..fsio import atomic_write
 from . import stable
 from .incoming import Incoming, partial_id
 from .retry import as_source_error, call_with_retry, is_transient_os_error
@@ -420,9 +421,9 @@ class Copier:
         lf.fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         if not done:
             os.ftruncate(lf.fd, 0)
-            ranges_path.write_text(header + "\n", "utf-8")
+            atomic_write(ranges_path, (header + "\n").encode("utf-8"), mode=0o600)
         os.ftruncate(lf.fd, f.size)
-        lf.ranges_fd = os.open(ranges_path, os.O_WRONLY | os.O_APPEND)
+        lf.ranges_fd = os.open(ranges_path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
         if self.source.is_local:
             path = self.source.local_path(f.rel)
             try:

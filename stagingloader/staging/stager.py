@@ -15,7 +15,7 @@ import errno
 import logging
 import math
 import os
-import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..cache import leases
+from ..cache import leases, trust
 from ..cache.capacity import Tier, resolve_root
 from ..cache.layout import DatasetDir, current_user, dataset_key, safe_join
 from ..cache.locking import DatasetLock
@@ -127,14 +127,19 @@ def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = N
         f"into {tier.describe()}: {why}")
     run = _Run(source=source, listing=listing, opts=opts, tier=tier, why=why, ddir=DatasetDir(tier.path / key),
                t0=t0, say=say)
+    foreign = _someone_elses(run.ddir)  # another user's folder, or a link, is refused here
     if opts.dry_run:
+        if not foreign and trust.lstat(run.ddir.path) is not None:
+            run.ddir.check(writable=True)
         return _dry_run(run)
-    if run.ddir.path.is_dir() and not os.access(run.ddir.path, os.W_OK):
+    if foreign:
         return _use_read_only(run)
     try:
-        run.ddir.path.mkdir(mode=0o700, exist_ok=True)
+        trust.private_dir(run.ddir.path, what="dataset folder",
+                          fix="remove it (rm -r {path}) and stage again, or pick another --root")
     except PermissionError:
         raise RootError(f"cannot create {run.ddir.path}: permission denied; pick another --root") from None
+    run.ddir.check(writable=True)
     remember_root(tier.path, env)
     with DatasetLock(run.ddir.lock_file, timeout=opts.lock_timeout, on_wait=say):
         return _stage_locked(run, identity=identity, callback=callback, on_file=on_file, holder_pid=holder_pid)
@@ -162,8 +167,19 @@ class _Run:
         return (not self.tier.mount.is_memory) if self.opts.fsync is None else self.opts.fsync
 
 
+def _someone_elses(ddir: DatasetDir) -> bool:
+    """Is the dataset folder there and someone else's?  Only root's may be read (a site-shared copy); one of
+    another ordinary user, or a link, is refused here with a CacheError naming it."""
+    st = trust.lstat(ddir.path)
+    if st is None or (st.st_uid == os.geteuid() and not stat.S_ISLNK(st.st_mode)):
+        return False
+    ddir.check(writable=False)
+    return True
+
+
 def _use_read_only(run: _Run) -> StagedDataset:
-    """A dataset someone else staged for us (a site-wide shared copy): use it as it is, if it is current.
+    """A dataset root staged for everyone (a site-wide shared copy): use it as it is, if it is current and,
+    checked as ``--verify`` says and against the source manifest where there is one, intact.
 
     Its owner (the Slurm prolog, for a shared dataset) holds the lease that protects it.
     """
@@ -173,7 +189,7 @@ def _use_read_only(run: _Run) -> StagedDataset:
         raise RootError(f"{ddir.path} belongs to another user and holds no complete copy yet; wait for its stager "
                         f"(the Slurm prolog) or read {source.url} directly")
     manifest = ddir.load_manifest(version)
-    plan = make_plan(run.listing, manifest, base_bad=check_fast(ddir.version_dir(version) / "data", manifest))
+    plan = make_plan(run.listing, manifest, base_bad=_check_base(run, version, manifest, _expected_digests(source)))
     if not plan.up_to_date:
         raise RootError(f"the shared copy {ddir.path} ({version}) differs from {source.url} in "
                         f"{len(plan.copy) + plan.removed} files and only its owner can update it; read the source "
@@ -212,8 +228,7 @@ def _stage_locked(run: _Run, *, identity: str, callback: Any, on_file: Callable[
         if base is None or base_version is None:
             raise InternalError("a plan found the dataset up to date without a staged version")
         version, manifest = base_version, base
-        if ddir.incoming.exists():
-            shutil.rmtree(ddir.incoming, ignore_errors=True)
+        trust.remove_tree(ddir.incoming)
     else:
         version = ddir.next_version()
         progress = Progress(callback, on_file)
@@ -307,11 +322,9 @@ def _load_base(ddir: DatasetDir, say: Callable[[str], None], *,
     """The published version and its manifest; a version whose switch was interrupted is published now."""
     version = ddir.current()
     if version is None:
-        versions = ddir.versions()
-        complete = [v for v in versions if (ddir.version_dir(v) / "manifest.json").exists()]
-        if not complete:
+        version = ddir.newest_complete()  # published but the switch was interrupted
+        if version is None:
             return None, None
-        version = complete[-1]  # published but the switch was interrupted
         if publish:
             ddir.publish(version)
     try:
@@ -334,7 +347,7 @@ def _build_version(run: _Run, plan: CopyPlan, incoming: Incoming, done: dict[str
     if ddir.incoming.exists():
         incoming.sweep(done)
         incoming.drop(plan.drop)
-    incoming.path.mkdir(exist_ok=True)
+    incoming.path.mkdir(mode=0o755, exist_ok=True)
     incoming.rewrite_journal(list(plan.keep))
     incoming.open()
     to_copy = [f for f, _ in plan.copy]
@@ -363,7 +376,7 @@ def _build_version(run: _Run, plan: CopyPlan, incoming: Incoming, done: dict[str
         manifest.save(ddir.incoming / "manifest.json", fsync=incoming.fsync)
     except OSError as e:
         raise as_root_error(e) from e
-    shutil.rmtree(incoming.partial, ignore_errors=True)
+    trust.remove_tree(incoming.partial)
     with contextlib.suppress(FileNotFoundError):
         incoming.journal_path.unlink()
     os.rename(ddir.incoming, ddir.version_dir(version))

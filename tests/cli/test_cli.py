@@ -99,8 +99,9 @@ def test_unreadable_source_file_names_it(tmp_path: Path) -> None:
     make_tree(shared / "src", {"ok.bin": 10, "locked.bin": 10})
     (shared / "root").mkdir()
     os.chmod(shared / "src" / "locked.bin", 0o000)
-    for p in (shared, shared / "src", shared / "root"):
+    for p in (shared, shared / "src"):
         os.chmod(p, 0o777)
+    os.chmod(shared / "root", 0o1777)  # writable by all, sticky (as /tmp): a root the cache accepts
     try:
         proc = run_cli("stage", str(shared / "src"), "--root", str(shared / "root"),
                        preexec_fn=lambda: (os.setgid(65534), os.setuid(65534)))
@@ -131,7 +132,7 @@ def test_s3_without_s3fs_gives_the_install_hint(tmp_path: Path) -> None:
 
 
 def test_json_errors_are_json(src: Path, tmp_path: Path) -> None:
-    proc = run_cli("stage", str(src), "--root", str(tmp_path / "missing"), "--json")
+    proc = run_cli("stage", str(src), "--root", str(tmp_path / "missing" / "deeper"), "--json")
     assert proc.returncode == 6
     doc = json.loads(proc.stdout)
     assert doc == {"ok": False, "error": "RootError", "message": doc["message"], "exit_code": 6}
