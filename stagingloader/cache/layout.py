@@ -137,16 +137,22 @@ class DatasetDir:
         if not writable:
             owners = frozenset({st.st_uid})
         for entry in os.scandir(self.path):
-            path = Path(entry.path)
-            trust.check_entry(path, entry.stat(follow_symlinks=False), owners)
-            if entry.name in ("incoming", "leases") or _VERSION_RE.match(entry.name):
-                trust.check_folder(path, owners=owners, what="cache folder")
-                for sub in ("data", ".partial") if entry.name != "leases" else ():
-                    if trust.lstat(path / sub) is not None:
-                        trust.check_folder(path / sub, owners=owners, what="cache folder")
-                if entry.name != "leases":
-                    trust.check_file(path / "manifest.json", what="manifest")
+            try:
+                self._check_entry(entry, owners)
+            except FileNotFoundError:  # gone since the listing: replaced (last_used), published or removed by
+                continue               # another stager or gc, which hold the same rules
         self.current()
+
+    def _check_entry(self, entry: os.DirEntry[str], owners: frozenset[int]) -> None:
+        path = Path(entry.path)
+        trust.check_entry(path, entry.stat(follow_symlinks=False), owners)
+        if entry.name in ("incoming", "leases") or _VERSION_RE.match(entry.name):
+            trust.check_folder(path, owners=owners, what="cache folder")
+            for sub in ("data", ".partial") if entry.name != "leases" else ():
+                if trust.lstat(path / sub) is not None:
+                    trust.check_folder(path / sub, owners=owners, what="cache folder")
+            if entry.name != "leases":
+                trust.check_file(path / "manifest.json", what="manifest")
 
     def publish(self, version: str) -> None:
         """Point ``current`` at ``version`` with one atomic rename."""
