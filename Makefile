@@ -7,24 +7,34 @@ BIN := $(VENV)/bin
 # torch is pinned: 2.13.0 is a CPU wheel on this project's machines; an open range pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench bench-peers gpu-wheels clean
+.PHONY: setup demo-setup demo test lint bench bench-peers gpu-wheels clean
 
 setup: $(VENV)/.installed
 
+# everything the tests need: DALI, the S3 test server, ruff, mypy (about 2 GB)
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,dali]' '$(TORCH)'
+	touch $@ $(VENV)/.demo-installed
+
+demo-setup: $(VENV)/.demo-installed
+
+# the demo needs only the light set: the core, torch (CPU) and Pillow
+$(VENV)/.demo-installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[demo]' '$(TORCH)'
 	touch $@
 
-demo: setup
+demo: demo-setup
 	$(BIN)/stagingloader demo
+	@echo "the command is $(VENV)/bin/stagingloader (or: source $(VENV)/bin/activate)"
 
 lint: setup
 	$(BIN)/ruff check stagingloader tests benchmarks examples
 	$(BIN)/mypy
 
 test: lint
-	bash tests/support/install_slurm.sh  # Debian's Slurm and munge, for the tests that start real daemons
+	bash tests/support/install_slurm.sh  # Debian's Slurm, munge and fuse3, for the tests that start real daemons and mounts
 	$(BIN)/python -m pytest -q --strict-skips
 
 bench: setup

@@ -640,7 +640,8 @@ def bench_dali(args: argparse.Namespace) -> dict[str, Any]:
         import nvidia.dali as dali
         from nvidia.dali import fn, pipeline_def
     except ImportError as e:
-        raise Skip(f"DALI not installed on this machine (pip install 'stagingloader[dali]'): {e}") from e
+        raise Skip("DALI not installed on this machine (pip install nvidia-dali-cuda130, or '.[dali]' in the "
+                   f"checkout): {e}") from e
     need_cuda()
     sl = import_stagingloader()
     n, batch, workers = (500 if args.quick else 4000), 32, 4

@@ -1,6 +1,6 @@
 """Train from a staged image folder through the DALI backend: JPEG decoding and resizing on the GPU.
 
-    pip install 'stagingloader[dali]'
+    pip install '.[dali,demo]'    # in the checkout (or: pip install nvidia-dali-cuda130 beside stagingloader)
     python examples/train_dali.py /nfs/datasets/imagenet/train --root /dev/shm    # ImageFolder layout
     python examples/train_dali.py --sample                                        # a generated sample
     python examples/train_dali.py --sample --device cpu                           # no GPU: all on the CPU

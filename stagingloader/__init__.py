@@ -165,8 +165,8 @@ def stage(
         from .staging.distributed import run_once_per_node
 
         return run_once_per_node(lambda: run_stage(src, opts, env=env, callback=callback, on_event=on_event,
-                                                   pid_lease=lease is None), env)
-    return run_stage(src, opts, env=env, callback=callback, on_event=on_event, pid_lease=lease is None)
+                                                   holder_pid=os.getpid()), env)
+    return run_stage(src, opts, env=env, callback=callback, on_event=on_event, holder_pid=os.getpid())
 
 
 def _patterns(value: str | Sequence[str]) -> tuple[str, ...]:

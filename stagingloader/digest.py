@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from collections.abc import Iterable
 
 import xxhash
@@ -28,13 +30,21 @@ def is_digest(value: object) -> bool:
     return isinstance(value, str) and value.startswith(PREFIX) and len(value) == len(PREFIX) + 32
 
 
-def hash_file(path: str | os.PathLike[str], buffer: bytearray | None = None) -> tuple[str, int]:
-    """Stream a file through xxh3-128; return ``(digest, size)``. Reuses ``buffer`` when given."""
+def hash_file(path: str | os.PathLike[str], buffer: bytearray | None = None, *,
+              nofollow: bool = False) -> tuple[str, int]:
+    """Stream a file through xxh3-128; return ``(digest, size)``. Reuses ``buffer`` when given.
+
+    ``nofollow``: refuse (OSError) a link or anything but a regular file, as for a file of the cache."""
     buf = buffer if buffer is not None else bytearray(CHUNK)
     view = memoryview(buf)
     hasher = new_hasher()
     size = 0
-    with open(path, "rb", buffering=0) as f:
+    flags = os.O_RDONLY | os.O_CLOEXEC | ((os.O_NOFOLLOW | os.O_NONBLOCK) if nofollow else 0)
+    fd = os.open(path, flags)
+    if nofollow and not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    with open(fd, "rb", buffering=0) as f:
         while n := f.readinto(view):
             hasher.update(view[:n])
             size += n

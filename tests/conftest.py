@@ -48,6 +48,52 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
                         "only tests marked gpu may skip")
 
 
+SHM = Path("/dev/shm")
+
+
+def _ours(entry: Path, base: Path) -> bool:
+    """Made by this session: a top-level name carrying its pid, or a dataset staged from its temporary folders."""
+    if entry.parent == SHM:
+        return f"-{os.getpid()}" in entry.name
+    with contextlib.suppress(OSError, ValueError):
+        return bool(json.loads((entry / "dataset.json").read_text()).get("source", "").startswith(str(base)))
+    return False
+
+
+def _shm_leftovers(base: Path) -> list[Path]:
+    found: list[Path] = []
+    with contextlib.suppress(OSError):
+        for p in SHM.iterdir():
+            if p.name.startswith("stagingloader") and p.is_dir() and not p.is_symlink():
+                with contextlib.suppress(OSError):
+                    found += [d for d in p.iterdir() if _ours(d, base)]
+            if p.name.startswith(("stagingloader", "sl-")) and _ours(p, base):
+                found.append(p)
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Keep the suite out of the real home (the roots registry) and take out of /dev/shm what this session put
+    there (a tmpfs holds it in RAM until someone deletes it); other sessions' files there are left alone."""
+    base = tmp_path_factory.getbasetemp()
+    old = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("xdg-state"))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("XDG_STATE_HOME", None)
+        else:
+            os.environ["XDG_STATE_HOME"] = old
+        for leftover in _shm_leftovers(base):
+            if leftover.is_dir() and not leftover.is_symlink():
+                subprocess.run(["rm", "-rf", "--one-file-system", str(leftover)], check=False)
+            else:
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
+
+
 @pytest.fixture
 def src(tmp_path: Path) -> Path:
     """A small source tree: 40 labelled files in two classes, one nested deeper, one empty file."""

@@ -26,7 +26,8 @@ import torch
 from ..errors import MissingDependencyError, UsageError
 from .order import IndexedLoader
 
-INSTALL = "pip install 'stagingloader[dali]'  (NVIDIA DALI for CUDA 13, nvidia-dali-cuda130)"
+INSTALL = ("pip install nvidia-dali-cuda130  (NVIDIA DALI for CUDA 13; stagingloader's [dali] extra: "
+           "pip install '.[dali]' in its checkout)")
 READER = "reader"
 
 

@@ -23,7 +23,8 @@ from ..cache.tiers import GDS_FS
 from ..errors import MissingDependencyError, UsageError
 
 BACKENDS = ("auto", "torch", "dali", "gds")
-GDS_INSTALL = "pip install 'stagingloader[gds]'  (kvikio), or a PyTorch built with cuFile (torch.cuda.gds)"
+GDS_INSTALL = ("pip install kvikio-cu13  (stagingloader's [gds] extra: pip install '.[gds]' in its checkout), or a "
+               "PyTorch built with cuFile (torch.cuda.gds)")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..errors import NoSpaceError, RootError
 from ..units import human_bytes
+from . import trust
 from .tiers import MemoryLimit, MountInfo, cgroup_memory_limit, free_bytes, meminfo, mount_of
 
 #: Folders that are node-local NVMe scratch on common clusters, tried by ``--root auto``.
@@ -50,8 +51,9 @@ def tier_of(path: Path, max_ram_fraction: float) -> Tier:
     to this process's memory cgroup (a Slurm job's, a container's), so the same rule applies to the
     cgroup's limit: budget <= (limit - usage) - (1 - fraction) x limit.
     """
-    mount = mount_of(path)
-    free = free_bytes(path)
+    measured = path if path.exists() else path.parent  # a folder a dry run did not create
+    mount = mount_of(measured)
+    free = free_bytes(measured)
     budget = free
     binding = None
     if mount.is_memory:
@@ -98,29 +100,33 @@ def auto_candidates(env: Mapping[str, str], user: str) -> list[tuple[Path, str]]
 
 
 def resolve_root(root: str, needed: int, key: str, *, max_ram_fraction: float,
-                 env: Mapping[str, str], user: str) -> tuple[Tier, str]:
+                 env: Mapping[str, str], user: str, create: bool = True) -> tuple[Tier, str]:
     """Pick the staging root: the one given, or for ``auto`` the first candidate that fits.
 
-    Returns the tier and why it was chosen.  A root that already holds this dataset wins.
+    Returns the tier and why it was chosen.  A root that already holds this dataset wins.  With
+    ``create=False`` (a dry run) nothing is created: a candidate folder that does not exist yet is
+    measured on its parent.
     """
-    if root != "auto":
-        path = Path(root).expanduser().absolute()
-        if not (path / key / "current").exists():  # a copy already there may be used even where we cannot write
-            check_root(path)
-        return tier_of(path, max_ram_fraction), "given with --root"
-    if env.get("STAGINGLOADER_ROOT"):
-        path = Path(env["STAGINGLOADER_ROOT"]).expanduser().absolute()
-        check_root(path)
-        return tier_of(path, max_ram_fraction), "$STAGINGLOADER_ROOT"
+    if root != "auto" or env.get("STAGINGLOADER_ROOT"):
+        given = root != "auto"
+        path = Path(root if given else env["STAGINGLOADER_ROOT"]).expanduser().absolute()
+        make_root(path, create=create)
+        if os.path.lexists(path):  # else a dry run, measured on the parent
+            if not os.path.lexists(path / key / "current"):  # a copy there may be used even where we cannot write
+                check_root(path)
+            trust.check_parent_root(path)
+        return tier_of(path, max_ram_fraction), "given with --root" if given else "$STAGINGLOADER_ROOT"
     candidates = auto_candidates(env, user)
     for path, why in candidates:
-        if (path / key / "current").exists() and _usable(path.parent):
-            return tier_of(path, max_ram_fraction), f"{why}; it already holds this dataset"
+        if os.path.lexists(path) and _usable(path.parent):
+            _check_private_root(path, create=False)
+            if os.path.lexists(path / key / "current"):
+                return tier_of(path, max_ram_fraction), f"{why}; it already holds this dataset"
     tried = []
     for path, why in candidates:
         if not _usable(path.parent):
             continue
-        path.mkdir(mode=0o700, exist_ok=True)
+        _check_private_root(path, create=create)
         tier = tier_of(path, max_ram_fraction)
         if tier.budget >= needed:
             return tier, why
@@ -131,6 +137,36 @@ def resolve_root(root: str, needed: int, key: str, *, max_ram_fraction: float,
         f"the dataset needs {human_bytes(needed)} and no staging root has room: "
         + "; ".join(tried) + ". Free space (stagingloader gc), raise --max-ram-fraction, or pass --root DIR"
     )
+
+
+def make_root(path: Path, *, create: bool = True) -> None:
+    """Create a staging root given by the user that does not exist yet (mode 0700, as ``cp -r`` and ``rsync``
+    create their target), if its parent exists; a missing parent too is more likely a typo: refused.
+    ``create=False`` (a dry run) only checks."""
+    if os.path.lexists(path):
+        return
+    if not path.parent.is_dir():
+        raise RootError(f"staging root {path} does not exist, nor does its parent {path.parent}: check the path "
+                        f"for a typo, or create it first (mkdir -p {path})")
+    if not create:
+        return
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise RootError(f"cannot create the staging root {path}: {e.strerror}; create it yourself or pick another "
+                        "--root") from None
+
+
+def _check_private_root(path: Path, *, create: bool) -> None:
+    """``stagingloader-$USER`` under an auto root: created 0700 (unless ``create`` is False: a dry run), used only
+    if it is the caller's own."""
+    what, fix = "private staging folder", "remove it (rm -r {path}), or pass --root DIR (or set $STAGINGLOADER_ROOT)"
+    if create:
+        trust.private_dir(path, what=what, fix=fix)
+    elif os.path.lexists(path):
+        trust.check_folder(path, what=what, fix=fix)
 
 
 def _usable(path: Path) -> bool:

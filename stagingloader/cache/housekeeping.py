@@ -1,20 +1,28 @@
-"""What is staged (``ls``), eviction (``gc``) and dropping leases (``release``)."""
+"""What is staged (``ls``), eviction (``gc``) and dropping leases (``release``).
+
+``gc`` takes each dataset's lock, the stager's own, for every decision and removal: what is current,
+what is leased and what a stager is writing cannot change between its reads.  A dataset being staged
+(locked) is left alone.  What a killed stager left in ``incoming/`` (no lock holder) counts against
+the budget and goes before whole datasets do: on tmpfs it is memory.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import DatasetNotFoundError, ManifestError
-from . import leases
+from ..errors import CacheError, DatasetNotFoundError, ManifestError
+from . import leases, trust
 from .capacity import auto_candidates
 from .layout import DatasetDir, current_user, find_dataset_dir
 from .locking import DatasetLock, is_locked
+from .registry import known_roots
 
 
 @dataclass(frozen=True)
@@ -27,48 +35,105 @@ class DatasetInfo:
     bytes: int
     leases: list[str]
     last_used: float
-    state: str  #: ready | staging | incomplete | broken
+    state: str  #: ready | staging | incomplete | "incomplete, N bytes in incoming/" | broken
+    incoming_bytes: int = 0  #: what an unpublished (or killed) stage holds in incoming/, in blocks used
+    lease_details: list[dict[str, Any]] = field(default_factory=list)  #: name, version, holder of each lease
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def roots(root: str, env: Mapping[str, str]) -> list[Path]:
-    """The staging roots to look in: the one given, or every ``auto`` candidate that exists."""
+    """The staging roots to look in: the one given; or, for ``auto``, ``$STAGINGLOADER_ROOT``, every ``auto``
+    candidate that exists, and every root this user staged into on this node (so nobody has to remember
+    which ``--root`` they gave)."""
     if root != "auto":
         return [Path(root).expanduser().absolute()]
     out = []
     if env.get("STAGINGLOADER_ROOT"):
         out.append(Path(env["STAGINGLOADER_ROOT"]).expanduser().absolute())
-    out += [p for p, _ in auto_candidates(env, current_user()) if p.is_dir()]
-    return out
+    out += [p for p, _ in auto_candidates(env, current_user()) if _own_folder(p)]
+    out += known_roots(env)
+    unique: dict[str, Path] = {}
+    for p in out:
+        unique.setdefault(os.path.realpath(p), p)
+    return list(unique.values())
+
+
+def _own_folder(path: Path) -> bool:
+    """Is ``path`` a real folder of the caller's (a ``stagingloader-$USER`` someone else made is not looked in)?"""
+    try:
+        trust.check_folder(path)
+    except (OSError, CacheError):
+        return False
+    return True
 
 
 def datasets(root: Path) -> Iterator[DatasetDir]:
+    """The datasets under ``root``; never one that a killed ``gc`` left half-deleted (``.deleting-*``)."""
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for entry in sorted(os.scandir(root), key=lambda e: e.name):
+            if entry.name.startswith("."):
+                continue
             if entry.is_dir(follow_symlinks=False) and os.path.exists(os.path.join(entry.path, "dataset.json")):
                 yield DatasetDir(Path(entry.path))
 
 
+def sweep_deleted(root: Path) -> None:
+    """Finish the removals of whole datasets that a killed ``gc`` left renamed aside (``ROOT/.deleting-*``)."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(root):
+            if entry.name.startswith(".deleting-") and entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
 def describe(ddir: DatasetDir) -> DatasetInfo:
     info = ddir.read_info()
-    version = ddir.current()
     files = size = 0
     state = "ready"
-    if version is not None:
-        try:
+    try:
+        version = ddir.current()
+        if version is not None:
             m = ddir.load_manifest(version)
             files, size = len(m), m.total_bytes
-        except ManifestError:
-            state = "broken"
-    else:
-        state = "incomplete"
+        else:
+            state = "incomplete"
+    except (ManifestError, CacheError):
+        version, state = None, "broken"
+    incoming = used_bytes(ddir.incoming)
+    if state == "incomplete" and incoming:
+        state = f"incomplete, {incoming} bytes in incoming/"
     if is_locked(ddir.lock_file):
         state = "staging"
-    live = leases.live(ddir)
+    live = sorted(leases.live(ddir), key=lambda lease: lease.name)
     return DatasetInfo(ddir.key, str(ddir.path), str(info.get("source", "?")), version, files, size,
-                       sorted(f"{lease.name}@{lease.version}" for lease in live), ddir.last_used(), state)
+                       [f"{lease.name}@{lease.version}" for lease in live], ddir.last_used(), state, incoming,
+                       [{"name": lease.name, "version": lease.version, "holder": lease.holder} for lease in live])
+
+
+def used_bytes(path: Path) -> int:
+    """The space the files under ``path`` take (blocks, so a sparse partial file counts what it holds); links and
+    what they point to are not followed."""
+    total = 0
+    for dirpath, _dirs, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
+
+
+@contextlib.contextmanager
+def _holding_lock(d: DatasetDir) -> Iterator[bool]:
+    """The dataset's lock if it is free (True), else nothing (False): gc never waits for a stager."""
+    lock = DatasetLock(d.lock_file, timeout=0)
+    try:
+        got = lock.try_acquire()
+    except OSError:  # not ours to lock (another user's dataset), or gone
+        got = False
+    try:
+        yield got
+    finally:
+        lock.release()
 
 
 def list_datasets(root: str, env: Mapping[str, str]) -> list[DatasetInfo]:
@@ -78,20 +143,33 @@ def list_datasets(root: str, env: Mapping[str, str]) -> list[DatasetInfo]:
 def gc(root: str, keep_bytes: int, env: Mapping[str, str], *, dry_run: bool = False) -> dict[str, Any]:
     """Evict least recently used datasets until at most ``keep_bytes`` stay staged.
 
-    Old versions no lease holds go first; then whole datasets, oldest use first.  A dataset
-    with a live lease, or one being staged (locked), is never touched.
+    Old versions no lease holds go first; then what killed stagers left in ``incoming/``; then whole
+    datasets, oldest use first.  Every decision and removal is made under the dataset's lock; a dataset
+    with a live lease, or one being staged (locked), is never removed.
     """
-    found = [d for r in roots(root, env) for d in datasets(r)]
+    if not dry_run:
+        for r in roots(root, env):
+            sweep_deleted(r)
+    found = [d for r in roots(root, env) for d in datasets(r) if _own_folder(d.path)]  # never another user's
     removed = [name for d in found for name in _drop_old_versions(d, dry_run=dry_run)]
     infos = [describe(d) for d in found]
-    total = sum(i.bytes for i in infos)
+    size = {i.path: i.bytes + i.incoming_bytes for i in infos}
+    total = sum(size.values())
+    by_age = sorted(infos, key=lambda i: i.last_used)
+    for info in by_age:
+        if total <= keep_bytes:
+            break
+        if info.incoming_bytes and _drop_incoming(DatasetDir(Path(info.path)), dry_run=dry_run):
+            removed.append(f"{info.key}/incoming")
+            total -= info.incoming_bytes
+            size[info.path] -= info.incoming_bytes
     busy: list[str] = []
-    for info in sorted(infos, key=lambda i: i.last_used):
+    for info in by_age:
         if total <= keep_bytes:
             break
         if _evict(info, dry_run=dry_run):
             removed.append(info.key)
-            total -= info.bytes
+            total -= size[info.path]
         else:
             busy.append(info.key)
     return {"removed": removed, "busy": busy, "remaining_bytes": total, "keep_bytes": keep_bytes,
@@ -100,15 +178,28 @@ def gc(root: str, keep_bytes: int, env: Mapping[str, str], *, dry_run: bool = Fa
 
 def _drop_old_versions(d: DatasetDir, *, dry_run: bool) -> list[str]:
     """Remove versions other than ``current`` that no live lease holds; return their names."""
-    if is_locked(d.lock_file):
-        return []
-    held = {lease.version for lease in leases.live(d)}
-    current = d.current()
-    doomed = [v for v in d.versions() if v != current and v not in held]
-    if not dry_run:
-        for v in doomed:
-            d.remove_version(v)
-    return [f"{d.key}/{v}" for v in doomed]
+    with _holding_lock(d) as locked:
+        if not locked:
+            return []
+        held = {lease.version for lease in leases.live(d)}
+        current = d.current()
+        doomed = [v for v in d.versions() if v != current and v not in held]
+        if not dry_run:
+            for v in doomed:
+                d.remove_version(v)
+        return [f"{d.key}/{v}" for v in doomed]
+
+
+def _drop_incoming(d: DatasetDir, *, dry_run: bool) -> bool:
+    """Remove what a stager that is no longer running left in ``incoming/``; True if it went (or would go)."""
+    with _holding_lock(d) as locked:
+        if not locked or not d.incoming.is_dir() or d.incoming.is_symlink():
+            return False
+        if not dry_run:
+            doomed = d.path / f".deleting-incoming-{os.getpid()}"
+            os.rename(d.incoming, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+        return True
 
 
 def _evict(info: DatasetInfo, *, dry_run: bool) -> bool:
@@ -116,17 +207,12 @@ def _evict(info: DatasetInfo, *, dry_run: bool) -> bool:
     if info.leases or info.state == "staging":
         return False
     d = DatasetDir(Path(info.path))
-    lock = DatasetLock(d.lock_file, timeout=0)
-    if not lock.try_acquire():
-        return False
-    try:
-        if leases.live(d):
+    with _holding_lock(d) as locked:
+        if not locked or leases.live(d):
             return False
         if not dry_run:
             d.remove()
         return True
-    finally:
-        lock.release()
 
 
 def find(dataset: str, root: str, env: Mapping[str, str], *,

@@ -21,15 +21,16 @@ import getpass
 import json
 import os
 import re
-import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from ..errors import ManifestError, UnsafePathError
+from ..errors import CacheError, ManifestError, UnsafePathError
 from ..fsio import atomic_write
+from . import trust
 from .manifest import Manifest
 
 _VERSION_RE = re.compile(r"^v(\d+)$")
@@ -94,12 +95,64 @@ class DatasetDir:
         return f"v{int(versions[-1][1:]) + 1 if versions else 1}"
 
     def current(self) -> str | None:
-        """The published version: the ``current`` link if it names a complete version."""
-        try:
-            target = os.readlink(self.path / "current")
-        except OSError:
+        """The published version: the ``current`` link if it names a complete version.
+
+        ``current`` must be a link stagingloader wrote: relative, naming a real version folder beside it.
+        Anything else there raises :class:`CacheError` naming what to remove."""
+        link = self.path / "current"
+        st = trust.lstat(link)
+        if st is None:
             return None
-        return target if _VERSION_RE.match(target) and (self.path / target / "manifest.json").exists() else None
+        fix = (f"remove it (rm -r {link}); the next `stagingloader stage` points it at the newest complete "
+               "version again")
+        if not stat.S_ISLNK(st.st_mode):
+            raise CacheError(f"{link} is {trust.kind_of(st)}, not the link stagingloader writes; {fix}")
+        target = os.readlink(link)
+        if not _VERSION_RE.match(target):
+            raise CacheError(f"{link} points at {target!r}, which is not a version folder of {self.path}; {fix}")
+        vst = trust.lstat(self.path / target)
+        if vst is None:
+            return None
+        if not stat.S_ISDIR(vst.st_mode):
+            raise CacheError(f"{self.path / target} is {trust.kind_of(vst)}, not a version folder; remove it "
+                             f"(rm -r {self.path / target}) and stage again")
+        return target if trust.check_file(self.path / target / "manifest.json", what="manifest") else None
+
+    def newest_complete(self) -> str | None:
+        """The newest version folder with a manifest (``current`` may be missing: a killed switch)."""
+        for v in reversed(self.versions()):
+            if trust.check_file(self.version_dir(v) / "manifest.json", what="manifest") is not None:
+                return v
+        return None
+
+    def check(self, *, writable: bool) -> None:
+        """Raise :class:`CacheError` unless this folder and what it holds can be trusted (see ``trust``).
+
+        ``writable``: the caller stages here, so the folder must be its own; else it only reads it, and a
+        folder of root's (a site-shared copy) will do.  Either way nothing in it may belong to anyone else,
+        the folders stagingloader reads or walks are real folders (never links), and ``current`` is sound."""
+        fix = "remove it (rm -r {path}) and stage again, or pick another --root"
+        owners = trust.trusted_owners()
+        st = trust.check_folder(self.path, owners=None if writable else owners, what="dataset folder", fix=fix)
+        if not writable:
+            owners = frozenset({st.st_uid})
+        for entry in os.scandir(self.path):
+            try:
+                self._check_entry(entry, owners)
+            except FileNotFoundError:  # gone since the listing: replaced (last_used), published or removed by
+                continue               # another stager or gc, which hold the same rules
+        self.current()
+
+    def _check_entry(self, entry: os.DirEntry[str], owners: frozenset[int]) -> None:
+        path = Path(entry.path)
+        trust.check_entry(path, entry.stat(follow_symlinks=False), owners)
+        if entry.name in ("incoming", "leases") or _VERSION_RE.match(entry.name):
+            trust.check_folder(path, owners=owners, what="cache folder")
+            for sub in ("data", ".partial") if entry.name != "leases" else ():
+                if trust.lstat(path / sub) is not None:
+                    trust.check_folder(path / sub, owners=owners, what="cache folder")
+            if entry.name != "leases":
+                trust.check_file(path / "manifest.json", what="manifest")
 
     def publish(self, version: str) -> None:
         """Point ``current`` at ``version`` with one atomic rename."""
@@ -110,7 +163,9 @@ class DatasetDir:
         os.replace(tmp, self.path / "current")
 
     def load_manifest(self, version: str) -> Manifest:
-        return Manifest.load(self.path / version / "manifest.json")
+        path = self.path / version / "manifest.json"
+        trust.check_file(path, what="manifest")
+        return Manifest.load(path)
 
     def read_info(self) -> dict[str, Any]:
         try:
@@ -122,9 +177,11 @@ class DatasetDir:
         atomic_write(self.path / "dataset.json", json.dumps(info, indent=1).encode())
 
     def touch(self) -> None:
-        p = self.path / "last_used"
-        p.touch()
-        os.utime(p)
+        fd = os.open(self.path / "last_used", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            os.utime(fd)
+        finally:
+            os.close(fd)
 
     def last_used(self) -> float:
         try:
@@ -151,21 +208,21 @@ class DatasetDir:
         doomed = self.path / f".deleting-{version}-{os.getpid()}"
         with contextlib.suppress(FileNotFoundError):
             os.rename(src, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            trust.remove_tree(doomed)
 
     def remove(self) -> None:
         """Delete the whole dataset: renamed aside first (``.deleting-*``), so nothing half-deleted is ever found
         under its name; a killed deletion is finished by the parent's next sweep."""
         doomed = self.path.with_name(f".deleting-{self.key}-{os.getpid()}")
         os.rename(self.path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        trust.remove_tree(doomed)
 
     def sweep_deleting(self) -> None:
         """Finish deletions a killed process left behind."""
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.path):
                 if entry.name.startswith(".deleting-"):
-                    shutil.rmtree(entry.path, ignore_errors=True)
+                    trust.remove_tree(Path(entry.path))
 
 
 def find_dataset_dir(path: Path) -> tuple[DatasetDir, str | None]:

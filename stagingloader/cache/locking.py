@@ -13,12 +13,13 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-from ..errors import LockTimeoutError
+from ..errors import CacheError, LockTimeoutError
 from .layout import current_user
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,39 @@ def _holder_text(info_path: Path) -> str:
         return f"pid {info.get('pid')} on {info.get('host')} (user {info.get('user')}, for {age:.0f}s)"
     except (OSError, ValueError):
         return "another process"
+
+
+def _open_info(info_path: Path, flags: int) -> int | None:
+    """An fd on a regular file of ours with one name, opened without following a link or blocking on a FIFO."""
+    try:
+        fd = os.open(info_path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | flags, 0o644)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid():
+        return fd
+    os.close(fd)
+    return None
+
+
+def _write_info(info_path: Path, data: bytes) -> None:
+    """Write the holder's info beside the lock, never through a link, FIFO or hard link someone planted there
+    (root takes locks in folders others can write): a file of ours, else a fresh one, else no info (it only
+    feeds messages)."""
+    fd = _open_info(info_path, os.O_CREAT)
+    if fd is None:
+        with contextlib.suppress(OSError):
+            info_path.unlink()
+        fd = _open_info(info_path, os.O_CREAT | os.O_EXCL)
+    if fd is None:
+        return
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, data)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class DatasetLock:
@@ -61,7 +95,13 @@ class DatasetLock:
         told = 0.0
         while True:
             self.lock_file.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except FileNotFoundError:
+                raise
+            except OSError as e:  # a folder, a link, someone else's file
+                raise CacheError(f"cannot open the lock file {self.lock_file} ({e.strerror}): it is not a file of "
+                                 f"yours; remove it (rm -r {self.lock_file}) and stage again") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -86,8 +126,7 @@ class DatasetLock:
                 continue
             self._fd = fd
             info = {"pid": os.getpid(), "host": socket.gethostname(), "user": current_user(), "since": time.time()}
-            with contextlib.suppress(OSError):
-                self.info_file.write_text(json.dumps(info))
+            _write_info(self.info_file, json.dumps(info).encode())
             return True
 
     def release(self) -> None:

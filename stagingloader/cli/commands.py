@@ -37,7 +37,9 @@ def cmd_stage(args: argparse.Namespace) -> Result:
                         lease=args.lease or leases.default_lease_name(env), storage_options=args.storage_options)
     progress = make_progress(args.quiet or args.json)
     try:
-        result = run_stage(args.src, opts, env=env, callback=progress, on_file=progress.file_done)
+        # outside Slurm and without --lease, the lease lives as long as our caller (the job script), not us
+        result = run_stage(args.src, opts, env=env, callback=progress, on_file=progress.file_done,
+                           holder_pid=os.getppid())
     finally:
         progress.close()
     if isinstance(result, StagePlan):
@@ -123,8 +125,11 @@ def cmd_ls(args: argparse.Namespace) -> Result:
                   + ", ".join(map(str, housekeeping.roots(args.root, dict(os.environ)))) + ")")
         for i in infos:
             used = datetime.fromtimestamp(i.last_used).strftime("%Y-%m-%d %H:%M") if i.last_used else "never"
-            print(f"{i.state:<10} {i.version or '-':<4} {human_bytes(i.bytes):>10} {i.files:>8} files  "
-                  f"used {used}  leases: {', '.join(i.leases) or 'none'}\n           {i.source}\n           {i.path}")
+            held = ", ".join(f"{d['name']}@{d['version']} ({d['holder']})" for d in i.lease_details) or "none"
+            state = i.state if i.version is None or not i.incoming_bytes else \
+                f"{i.state} (+{human_bytes(i.incoming_bytes)} in incoming/)"
+            print(f"{state:<10} {i.version or '-':<4} {human_bytes(i.bytes + i.incoming_bytes):>10} {i.files:>8} "
+                  f"files  used {used}  leases: {held}\n           {i.source}\n           {i.path}")
     return ExitCode.OK, {"datasets": [i.to_dict() for i in infos]}
 
 
@@ -140,12 +145,17 @@ def cmd_gc(args: argparse.Namespace) -> Result:
 def cmd_release(args: argparse.Namespace) -> Result:
     ddir = _find(args)
     name = args.lease or leases.default_lease_name()
-    dropped = leases.release(ddir, name)
-    if not dropped:
-        held = ", ".join(lease.name for lease in leases.live(ddir)) or "none"
-        raise UsageError(f"{ddir.path} has no lease named {name} (leases held: {held}); pass --lease NAME")
-    _out(args, f"released {name} on {ddir.path}")
-    return ExitCode.OK, {"ok": True, "dataset": str(ddir.path), "lease": name}
+    if name is not None:
+        names = [name] if leases.release(ddir, name) else []
+        what = f"no lease named {name}"
+    else:  # the leases `stage` took for our caller (this shell or job script)
+        names = leases.release_held_by(ddir, os.getppid())
+        what = f"no lease held by this shell or script (process {os.getppid()})"
+    if not names:
+        held = ", ".join(f"{lease.name} ({lease.holder})" for lease in leases.live(ddir)) or "none"
+        raise UsageError(f"{ddir.path} has {what} (leases held: {held}); pass --lease NAME")
+    _out(args, f"released {', '.join(names)} on {ddir.path}")
+    return ExitCode.OK, {"ok": True, "dataset": str(ddir.path), "lease": names[0], "leases": names}
 
 
 def cmd_manifest(args: argparse.Namespace) -> Result:
@@ -277,7 +287,8 @@ def cmd_stats(args: argparse.Namespace) -> Result:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install 'stagingloader[plot]'") from None
+            raise UsageError("--plot needs matplotlib: pip install matplotlib (stagingloader's [plot] extra: "
+                             "pip install '.[plot]' in its checkout)") from None
         fig, ax = plt.subplots(figsize=(10, 3.5))
         step = 0
         for e in doc["epochs"]:

@@ -1,15 +1,24 @@
-"""``stagingloader demo``: the main job on a built-in sample dataset, end to end."""
+"""``stagingloader demo``: the main job on a built-in sample dataset, end to end.
+
+A folder of JPEGs of different sizes in five classes (drawn with Pillow) stands in for a dataset on
+shared storage.  The demo stages it, stages it again (everything reused), verifies it, trains a small
+CNN on it for an epoch through ``stagingloader.DataLoader`` (decoding and resizing each JPEG in the
+workers), prints the loader's stats and diagnosis, and releases what it staged.
+"""
 
 from __future__ import annotations
 
 import argparse
+import io
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..cache import leases
+from ..cache.layout import DatasetDir
+from ..cache.locking import DatasetLock
 from ..errors import ExitCode
 from ..staging.result import StagedDataset
 from ..staging.stager import StageOptions, run_stage
@@ -17,29 +26,34 @@ from ..staging.verify import verify
 from ..units import human_bytes
 from .progress import make_progress
 
-CLASSES = ("cat", "dog", "bird", "fish", "frog")
+CLASSES = ("circle", "square", "triangle", "cross", "ring")
+SIDE = 48  #: the training resolution every JPEG is resized to
+LEASE = "demo"
 
 
-def build_sample(folder: Path, files: int, large: int = 3, large_size: int = 48 << 20) -> tuple[int, int]:
-    """A labelled dataset standing in for shared storage: ``class/NNNNNN.bin`` files plus a few large ``.npy``.
+def build_sample(folder: Path, files: int) -> tuple[int, int]:
+    """``train/<class>/NNNNNN.jpg``: JPEGs of one shape per class, of different sizes (48 to 480 pixels a side,
+    a few KiB to a few hundred), plus one ``.npy`` feature table large enough to be copied in ranges.
 
-    Deterministic (seeded), and left as is when already built.
+    Deterministic (seeded), and left as it is when already built.
     """
+    from PIL import Image, ImageDraw
+
     marker = folder.with_name(folder.name + ".complete")
     rng = np.random.default_rng(0)
     if not marker.exists():
-        for c in CLASSES:
-            (folder / "train" / c).mkdir(parents=True, exist_ok=True)
-        sizes = rng.integers(2 << 10, 200 << 10, size=files)
-        block = rng.integers(0, 256, size=int(sizes.max()) + 4096, dtype=np.uint8).tobytes()
-        for i, size in enumerate(sizes):
+        for i in range(files):
             label = CLASSES[i % len(CLASSES)]
-            start = (i * 977) % 4096
-            (folder / "train" / label / f"{i:06d}.bin").write_bytes(block[start:start + int(size)])
-        (folder / "arrays").mkdir(exist_ok=True)
-        for k in range(large):
-            arr = rng.standard_normal(large_size // 4, dtype=np.float32).reshape(-1, 256)
-            np.save(folder / "arrays" / f"features_{k}.npy", arr)
+            w, h = (int(x) for x in rng.integers(48, 481, size=2))
+            noise = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8) // 4
+            img = Image.fromarray(noise + np.uint8(rng.integers(0, 96)), "RGB")
+            _draw(ImageDraw.Draw(img), label, w, h, tuple(int(c) for c in rng.integers(128, 256, size=3)))
+            out = folder / "train" / label / f"{i:06d}.jpg"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            img.save(out, quality=int(rng.integers(70, 96)))
+        (folder / "features").mkdir(exist_ok=True)
+        np.save(folder / "features" / "embeddings.npy",
+                rng.standard_normal((files * 64, 256), dtype=np.float32))
         marker.write_text("ok\n")
     n = b = 0
     for dirpath, _dirs, names in os.walk(folder):
@@ -49,20 +63,48 @@ def build_sample(folder: Path, files: int, large: int = 3, large_size: int = 48 
     return n, b
 
 
+def _draw(d: Any, label: str, w: int, h: int, color: tuple[int, ...]) -> None:
+    m = min(w, h)
+    x0, y0, x1, y1 = (w - m) // 2 + m // 6, (h - m) // 2 + m // 6, (w + m) // 2 - m // 6, (h + m) // 2 - m // 6
+    width = max(2, m // 12)
+    if label == "circle":
+        d.ellipse((x0, y0, x1, y1), fill=color)
+    elif label == "square":
+        d.rectangle((x0, y0, x1, y1), fill=color)
+    elif label == "triangle":
+        d.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=color)
+    elif label == "cross":
+        d.line((x0, y0, x1, y1), fill=color, width=width)
+        d.line((x0, y1, x1, y0), fill=color, width=width)
+    else:
+        d.ellipse((x0, y0, x1, y1), outline=color, width=width)
+
+
+def decode_jpeg(data: bytes) -> Any:
+    """JPEG bytes -> a 3 x SIDE x SIDE float tensor in [0, 1]: what a training script's transform does."""
+    import torch
+    from PIL import Image
+
+    jpeg = Image.open(io.BytesIO(data))
+    jpeg.draft("RGB", (SIDE, SIDE))  # let the JPEG decoder scale down by 2-8x as it decodes: far less work
+    img = jpeg.convert("RGB").resize((SIDE, SIDE))
+    return torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0).permute(2, 0, 1)
+
+
 def run_demo(args: argparse.Namespace) -> tuple[int, Any]:
     work = Path(args.workdir).absolute()
     source = work / "shared-storage"
     say = (lambda text: None) if args.json else print
-    say(f"1/5 building a sample dataset in {source} (stands in for NFS/Lustre/S3)")
+    say(f"1/6 drawing a sample dataset in {source} (stands in for NFS/Lustre/S3)")
     n, b = build_sample(source, args.files)
-    say(f"    {n} files, {human_bytes(b)}")
+    say(f"    {n} files (JPEGs of different sizes in {len(CLASSES)} classes, one .npy table), {human_bytes(b)}")
     steps: dict[str, Any] = {}
-    for step, label in (("first", "2/5 staging it (copy + hash every byte)"),
-                        ("again", "3/5 staging it again (should reuse everything)")):
+    for step, label in (("first", "2/6 staging it (copy + hash every byte)"),
+                        ("again", "3/6 staging it again (should reuse everything)")):
         say(label)
         progress = make_progress(args.quiet or args.json)
         try:
-            ds = run_stage(str(source), StageOptions(root=args.root, lease="demo"), callback=progress,
+            ds = run_stage(str(source), StageOptions(root=args.root, lease=LEASE), callback=progress,
                            on_file=progress.file_done, env=dict(os.environ))
         finally:
             progress.close()
@@ -72,37 +114,79 @@ def run_demo(args: argparse.Namespace) -> tuple[int, Any]:
             f"{r.seconds:.2f}s" + (f", {r.gbps:.2f} GB/s" if r.copied_bytes else "")
             + f"\n    into {ds.root} ({r.tier}: {r.root_reason})")
         steps[step] = r.to_dict()
-    say("4/5 verifying the staged copy against its manifest (re-hash every file)")
+    say("4/6 verifying the staged copy against its manifest (re-hash every file)")
     assert isinstance(ds, StagedDataset)
     report = verify(ds)
     say(f"    {'OK' if report.ok else 'FAILED'}: {report.checked_files} files, "
         f"{human_bytes(report.checked_bytes)} in {report.seconds:.2f}s")
-    loaded = _feed(ds, say)
-    say(f"\nstaged dataset: {ds.root}\nnext: `stagingloader ls`, `stagingloader release {ds.dataset_dir} --lease demo`")
+    trained = _train(ds, say, epochs=args.epochs)
+    say(f"6/6 {_finish(ds, keep=args.keep)}")
     code = ExitCode.OK if report.ok and steps["again"]["copied_files"] == 0 else ExitCode.VERIFY_FAILED
-    return code, {"ok": code == ExitCode.OK, "source": str(source), "root": str(ds.root), "stages": steps,
-                  "verify": report.to_dict(), "loader": loaded}
+    return code, {"ok": code == ExitCode.OK, "source": str(source), "root": str(ds.root),
+                  "dataset_dir": str(ds.dataset_dir), "kept": args.keep, "stages": steps,
+                  "verify": report.to_dict(), "training": trained}
 
 
-def _feed(ds: StagedDataset, say: Any) -> dict[str, Any] | None:
-    """One epoch of the labelled files through stagingloader.DataLoader, with its stats."""
+def _train(ds: StagedDataset, say: Any, *, epochs: int) -> dict[str, Any] | None:
+    """A small CNN trained on the staged JPEGs through stagingloader.DataLoader, with its stats and diagnosis."""
     try:
-        import torch  # noqa: F401
+        import torch
+        from torch import nn
     except ImportError:
-        say("5/5 skipped the DataLoader step: torch is not installed (pip install 'stagingloader[torch]')")
+        say("5/6 skipped training: torch is not installed (pip install '.[demo]' from the checkout)")
         return None
     from ..loader import DataLoader, StagedFiles
     from ..loader.diagnosis import diagnose
 
-    say("5/5 one epoch of the labelled files through stagingloader.DataLoader (2 workers, batch 64, "
-        "a simulated 10 ms training step)")
-    files = StagedFiles(ds, decode="bytes", prefix="train/")
-    loader = DataLoader(files, batch_size=64, shuffle=True, num_workers=2)
-    for _data, _labels in loader:
-        time.sleep(0.01)
+    say(f"5/6 training a small CNN for {epochs} epoch(s) on the staged JPEGs through stagingloader.DataLoader "
+        f"(2 workers decode and resize each JPEG to {SIDE}x{SIDE}, batch 32)")
+    torch.manual_seed(0)
+    images = StagedFiles(ds, prefix="train/", decode=decode_jpeg)
+    loader = DataLoader(images, batch_size=32, shuffle=True, num_workers=2)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(32, len(images.classes)),
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    correct = seen = 0
+    loss_sum = 0.0
+    for epoch in range(epochs):
+        correct = seen = 0
+        loss_sum = 0.0
+        for x, y in loader:
+            opt.zero_grad()
+            logits = model(x)
+            loss = nn.functional.cross_entropy(logits, y)
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            loss_sum += loss.item() * len(y)
+            correct += int((logits.argmax(1) == y).sum())
+            seen += len(y)
+        say(f"    epoch {epoch + 1}: loss {loss_sum / seen:.3f}, training accuracy {correct / seen:.0%} "
+            f"over {seen} images of classes {images.classes}")
     e = loader.stats.epochs[-1]
-    say(f"    {e.samples} samples in {e.batches} batches, {e.samples_per_s:,.0f} samples/s, "
-        f"{e.bytes_per_s / 1e6:,.0f} MB/s, first batch after {e.first_batch_s:.2f}s; classes {files.classes}")
+    say(f"    loader: {e.samples_per_s:,.0f} samples/s, first batch after {e.first_batch_s:.2f}s, waited on data "
+        f"{e.stall_fraction:.0%} of the time")
     say(f"    {diagnose(loader)}")
     loader.close()
-    return e.to_dict()
+    return {"epochs": epochs, "loss": loss_sum / seen, "accuracy": correct / seen, "loader": e.to_dict()}
+
+
+def _finish(ds: StagedDataset, *, keep: bool) -> str:
+    """Drop the demo's lease; unless asked to keep it, remove the staged copy (it sits in RAM on tmpfs)."""
+    ddir = DatasetDir(ds.dataset_dir)
+    leases.release(ddir, LEASE)
+    if keep:
+        return (f"kept the staged copy in {ds.dataset_dir} (its lease is released: `stagingloader gc` may evict "
+                f"it; `stagingloader ls` shows it)")
+    with DatasetLock(ddir.lock_file, timeout=60):
+        if leases.live(ddir):
+            return f"left {ds.dataset_dir} in place: another run holds a lease on it"
+        ddir.remove()
+    return f"removed the staged copy {ds.dataset_dir} (run with --keep to keep it); the sample source stays in " \
+           f"{ds.source} for the next run"
+
+
+__all__ = ["build_sample", "decode_jpeg", "run_demo"]

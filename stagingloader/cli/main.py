@@ -10,7 +10,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import ExitCode, StagingError, UsageError
 from ..units import human_bytes, parse_bytes
@@ -23,6 +23,19 @@ exit codes: 0 ok, 1 verification failed, 2 usage, 3 no space, 4 source error,
             5 lock timeout, 6 staging root unusable, 7 bad manifest, 130 interrupted
 docs: docs/staging.md, docs/errors.md, docs/environment.md
 """
+
+
+class _BadArguments(Exception):
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog, self.message = prog, message
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors given to ``main`` to print like every other error: one line (and JSON)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _BadArguments(self.prog, message)
 
 
 def _positive_int(text: str) -> int:
@@ -111,11 +124,11 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
     common.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines, only the result")
     common.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks on errors")
-    src_opts = argparse.ArgumentParser(add_help=False)
+    src_opts = _Parser(add_help=False)
     src_opts.add_argument("--endpoint-url", metavar="URL", help="S3-compatible endpoint (MinIO, Ceph, SeaweedFS...)")
     src_opts.add_argument("-o", "--option", action="append", metavar="KEY=VALUE",
                           help="fsspec storage option (repeatable; values parsed as JSON when they can be), "
@@ -125,12 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     src_opts.add_argument("--options-file", metavar="FILE",
                           help='fsspec storage options as a JSON object, e.g. {"key": "ID", "secret": "SECRET"} '
                                "(chmod 600 it); -o options override it")
-    root_opt = argparse.ArgumentParser(add_help=False)
+    root_opt = _Parser(add_help=False)
     root_opt.add_argument("--root", default="auto", metavar="DIR|auto",
                           help="staging root; 'auto' tries $STAGINGLOADER_ROOT, $SLURM_TMPDIR, a local $TMPDIR, "
                                "NVMe scratch mounts, then /dev/shm (default: auto)")
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="stagingloader",
         description="Stage datasets onto node-local fast storage (tmpfs, NVMe) with verified, shared caching.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -174,8 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage only shard I of N (every N-th file); 'node': this node's share of a multi-node "
                         "job, from $SLURM_NODEID/$SLURM_NNODES (docs/slurm.md)")
     s.add_argument("--lease", metavar="NAME",
-                   help="lease name held until `stagingloader release` (default: slurm-job-$SLURM_JOB_ID, "
-                        "else user-$USER)")
+                   help="a named lease, held until `stagingloader release` (default: slurm-job-$SLURM_JOB_ID in a "
+                        "Slurm job, else a lease that lives as long as the shell or script that ran this command)")
 
     v = sub.add_parser("verify", parents=[common, src_opts, root_opt],
                        help="re-hash a staged copy against its manifest; exit 1 if any file is bad",
@@ -195,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("release", parents=[common, src_opts, root_opt], help="drop a lease on a staged dataset")
     r.add_argument("dataset", metavar="DATASET", help="a staged dataset's folder, or its source URL")
-    r.add_argument("--lease", metavar="NAME", help="the lease to drop (default: the one `stage` took here)")
+    r.add_argument("--lease", metavar="NAME",
+                   help="the lease to drop (default: the Slurm job's, else those `stage` took for this shell)")
 
     m = sub.add_parser("manifest", parents=[common, src_opts],
                        help="write digests next to the source, for end-to-end verification",
@@ -249,14 +263,18 @@ def build_parser() -> argparse.ArgumentParser:
     sl.set_defaults(json=False, quiet=True, verbose=False)
 
     d = sub.add_parser("demo", parents=[common],
-                       help="build a sample dataset, stage it, verify it, print the summary",
-                       description="Builds a labelled sample dataset (small files and a few large ones) in a local "
-                                   "folder standing in for shared storage, stages it, stages it again (reuse), "
-                                   "verifies it and prints what happened.")
+                       help="the main job on a sample dataset: stage, reuse, verify, train, release",
+                       description="Draws a folder of JPEGs of different sizes (five classes of shapes) standing in "
+                                   "for a dataset on shared storage, stages it, stages it again (everything "
+                                   "reused), verifies it, trains a small CNN on it through stagingloader.DataLoader "
+                                   "with the loader's stats and diagnosis, then releases and removes the staged "
+                                   "copy (--keep keeps it).")
     d.add_argument("--workdir", default=os.path.join(os.getcwd(), "stagingloader-demo"), metavar="DIR",
                    help="where the sample source lives (default: ./stagingloader-demo)")
     d.add_argument("--root", default="auto", metavar="DIR|auto", help="staging root (default: auto)")
-    d.add_argument("--files", type=_positive_int, default=3000, metavar="N", help="small files (default: 3000)")
+    d.add_argument("--files", type=_positive_int, default=500, metavar="N", help="JPEGs to draw (default: 500)")
+    d.add_argument("--epochs", type=_positive_int, default=3, metavar="N", help="training epochs (default: 3)")
+    d.add_argument("--keep", action="store_true", help="keep the staged copy afterwards (default: remove it)")
     from ..checkpoints.cli import add_ckpt_parser
 
     add_ckpt_parser(sub, [common, src_opts])
@@ -265,7 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(argv)
+    except _BadArguments as e:
+        return _fail(argparse.Namespace(json="--json" in argv), f"{e.message}; see `{e.prog} --help`",
+                     ExitCode.USAGE, "UsageError")
     level = logging.DEBUG if args.verbose else (logging.WARNING if args.quiet or args.json else logging.INFO)
     logging.basicConfig(level=level, format="stagingloader: %(message)s", stream=sys.stderr)
     from . import commands

@@ -3,93 +3,40 @@
 
 The rule that shapes them: a non-zero prolog exit, or a timeout, drains the node.  So a user's
 problem (bad request, unreadable or unreachable source, no space, checksum mismatch) exits 0 with
-the failure recorded for the job; only a broken node (staging root missing or read-only) exits
-non-zero.  The prolog stages in a detached supervisor process and waits for it at most
-``budget_seconds``; past that it exits 0 and the supervisor finishes while the job starts (the
-job's ``stagingloader.stage(SRC)`` waits on the dataset's lock).  Hooks never call scontrol.
+the failure recorded for the job; only a broken node (a staging root's parent missing or
+read-only) exits non-zero.  A path a user can squat (``/dev/shm/stagingloader``) is the job's
+problem too.  Root acts only on its own record and the site config, never on a file a user can
+write (see :mod:`.rootsafe` and :mod:`.jobstate`).  The prolog stages in a detached supervisor
+process and waits for it at most ``budget_seconds``; past that it exits 0 and the supervisor
+finishes while the job starts (the job's ``stagingloader.stage(SRC)`` waits on the dataset's
+lock).  Hooks never call scontrol.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import signal
 import socket
-import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from ..cache.capacity import check_root
 from ..cache.housekeeping import gc
 from ..cache.layout import DatasetDir
 from ..cache.leases import release
-from ..errors import RootError, StagingError, UsageError
+from ..errors import CacheError, RootError, UsageError
 from . import config as site_config
+from . import jobstate, rootsafe
 from .identity import JobUser, run_worker
+from .jobstate import JobLog, write_status
 from .nodelist import node_index
 from .request import StageRequest, check_names, is_request, parse_comment, parse_spec
 
 log = logging.getLogger(__name__)
 SPEC_MAX_BYTES = 64 * 1024
-
-
-class JobLog:
-    """``<log_dir>/<jobid>.log``: one per job and node folder, owned by the job's user so they can read it."""
-
-    def __init__(self, cfg: site_config.SiteConfig, job: str, hook: str, user: JobUser | None) -> None:
-        self.hook = hook
-        self.node = cfg.node or socket.gethostname()
-        self.file: TextIO | None = None
-        with contextlib.suppress(OSError):
-            d = cfg.path(cfg.log_dir)
-            d.mkdir(mode=0o755, parents=True, exist_ok=True)
-            fd = os.open(d / f"{job}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-            if user is not None and os.geteuid() == 0:
-                os.fchown(fd, user.uid, user.gid)
-            self.file = os.fdopen(fd, "a", buffering=1)
-
-    def __call__(self, text: str) -> None:
-        line = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {self.node} {self.hook}[{os.getpid()}]: {text}"
-        log.info("%s", line)
-        if self.file is not None:
-            with contextlib.suppress(OSError):
-                self.file.write(line + "\n")
-
-    def close(self) -> None:
-        if self.file is not None:
-            with contextlib.suppress(OSError):
-                self.file.close()
-
-
-# ---- the job's status, read by the task prolog ---------------------------------------------------
-def status_path(cfg: site_config.SiteConfig, job: str) -> Path:
-    return cfg.path(cfg.state_dir) / f"job-{job}.json"
-
-
-def write_status(cfg: site_config.SiteConfig, job: str, user: JobUser | None, status: dict[str, Any]) -> None:
-    """Atomically, in a root-owned folder, owned by (and private to) the job's user."""
-    d = cfg.path(cfg.state_dir)
-    d.mkdir(mode=0o755, parents=True, exist_ok=True)
-    tmp = d / f".job-{job}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        if user is not None and os.geteuid() == 0:
-            os.fchown(fd, user.uid, user.gid)
-        os.write(fd, json.dumps(status, indent=1).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, status_path(cfg, job))
-
-
-def read_status(cfg: site_config.SiteConfig, job: str) -> dict[str, Any] | None:
-    try:
-        return dict(json.loads(status_path(cfg, job).read_text()))
-    except (OSError, ValueError):
-        return None
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -102,30 +49,43 @@ def read_spec(path: str, user: JobUser) -> list[StageRequest]:
     return parse_spec(str(answer["text"]), path)
 
 
+def site_root(root: Path) -> Path:
+    """A configured staging root, ready for the hooks: a real folder that only root can change.
+
+    Raises RootError when its parent is missing or read-only (the node is broken), CacheError when the
+    path is held by something root did not make: a file, a link or a folder a user created (in
+    ``/dev/shm`` anyone can), which is the job's problem, never a reason to drain the node.
+    """
+    check_root(root.parent)
+    rootsafe.check_trusted_dir(root.parent, sticky_ok=True)
+    if os.geteuid() == 0:
+        rootsafe.ensure_dir(root, 0o755, 0, 0)
+    else:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(root, 0o755)
+    rootsafe.check_trusted_dir(root)
+    check_root(root)
+    return root
+
+
 def node_check(cfg: site_config.SiteConfig, kinds: set[str]) -> None:
-    """Raise RootError if a staging root of these kinds is unusable: the node, not the job, is broken."""
+    """Raise RootError if a staging root of these kinds is unusable (the node is broken), CacheError if a
+    user squats its path."""
     for kind in sorted(kinds):
         if kind != "auto" and kind not in cfg.roots:
             continue  # the job asked for a tier this site lacks: its problem, reported later
         for root in cfg.candidates(kind):
-            check_root(root.parent)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(root, 0o755)
-            check_root(root)
+            site_root(root)
 
 
 # ---- folders -------------------------------------------------------------------------------------
-def _root_dir(path: Path, mode: int, uid: int, gid: int) -> Path:
-    """Create (or check) a folder the hook relies on: a real folder, not a link, owned as expected."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, mode)
-        os.chown(path, uid, gid, follow_symlinks=False)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
-        raise UsageError(f"{path} is not a folder owned by uid {uid}: refusing to use it (remove it)")
-    if stat.S_IMODE(st.st_mode) != mode:
-        os.chmod(path, mode)
-    return path
+def shared_folders(cfg: site_config.SiteConfig) -> set[Path]:
+    """Where shared datasets may be: ``ROOT/shared`` of the site's roots, from the site config only."""
+    return {cfg.path(r) / "shared" for r in cfg.roots.values()}
+
+
+def private_folders(cfg: site_config.SiteConfig, user: JobUser) -> set[Path]:
+    return {cfg.path(r) / "users" / user.name for r in cfg.roots.values()}
 
 
 def prepare_roots(cfg: site_config.SiteConfig, req: StageRequest, user: JobUser, shared: bool) -> list[Path]:
@@ -135,16 +95,15 @@ def prepare_roots(cfg: site_config.SiteConfig, req: StageRequest, user: JobUser,
     """
     out = []
     for root in cfg.candidates(req.root):
-        check_root(root.parent)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(root, 0o755)
-        check_root(root)
-        top = _root_dir(root, 0o755, 0, 0) if os.geteuid() == 0 else root
+        site_root(root)
+        me, group = os.geteuid(), os.getegid()
         if shared:
-            out.append(_root_dir(top / "shared", 0o755, os.geteuid(), os.getegid()))
+            rootsafe.ensure_dir(root / "shared", 0o755, me, group)
+            out.append(root / "shared")
         else:
-            users = _root_dir(top / "users", 0o755, os.geteuid(), os.getegid())
-            out.append(_root_dir(users / user.name, 0o700, user.uid, user.gid))
+            rootsafe.ensure_dir(root / "users", 0o755, me, group)
+            rootsafe.ensure_dir(root / "users" / user.name, 0o700, user.uid, user.gid)
+            out.append(root / "users" / user.name)
     return out
 
 
@@ -168,6 +127,13 @@ def prolog(env: Mapping[str, str]) -> int:
         return 0
     say = JobLog(cfg, job, "prolog", user)
     try:
+        try:
+            jobstate.state_dir(cfg)
+        except OSError as e:  # CacheError included: a state folder a user could change is not used
+            log.error("stagingloader prolog: job %s runs without staged data: cannot keep its status in %s: %s",
+                      job, cfg.state_dir, e)
+            say(f"cannot keep the job's status: {e}")
+            return 0
         return _prolog(env, cfg, job, user, comment, say)
     except Exception as e:  # never drain a node for something we did not foresee
         say(f"unexpected {type(e).__name__}: {e}; the job runs without staged data")
@@ -184,6 +150,10 @@ def _prolog(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, user:
     try:
         requests, spec = parse_comment(comment)
         node_check(cfg, {r.root for r in requests} | (set(cfg.roots) if spec else set()))
+    except CacheError as e:  # a path a user can squat (/dev/shm/...) is the job's problem, not the node's
+        say(f"staging refused: {e}")
+        write_status(cfg, job, user, {"state": "failed", "reason": f"unsafe staging root: {e}", "datasets": []})
+        return 0
     except RootError as e:
         say(f"this node is broken: {e}")
         write_status(cfg, job, user, {"state": "failed", "reason": f"node problem: {e}", "datasets": []})
@@ -211,7 +181,7 @@ def _prolog(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, user:
     while time.monotonic() < deadline:
         done, _ = os.waitpid(pid, os.WNOHANG)
         if done:
-            final = read_status(cfg, job) or {}
+            final = jobstate.read_record(cfg, job) or {}
             say(f"prolog done: {final.get('state')}")
             return 0
         time.sleep(0.05)
@@ -256,13 +226,17 @@ def _supervise(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, us
                requests: list[StageRequest], spec: str | None, say: JobLog) -> None:
     try:
         plans = _plan(env, cfg, user, requests, spec)
+    except CacheError as e:  # e.g. ROOT/users/<user> is a link: refused, named, the job's problem
+        say(f"staging refused: {e}")
+        write_status(cfg, job, user, {"state": "failed", "reason": f"unsafe staging folder: {e}", "datasets": []})
+        return
     except (UsageError, OSError) as e:  # RootError included: checked by the prolog, so a race or a tier
         say(f"bad request: {e}")
         write_status(cfg, job, user, {"state": "failed", "reason": f"bad request: {e}", "datasets": []})
         return
     # the supervisor records itself (not the prolog: it could overwrite a final status)
     write_status(cfg, job, user, {"state": "staging", "datasets": [_entry(p, "staging") for p in plans],
-                                  "supervisor": os.getpid()})
+                                  "supervisor": rootsafe.me()})
     lease = f"slurm-job-{job}"
     results = []
     for plan in plans:
@@ -329,7 +303,7 @@ def task_prolog(env: Mapping[str, str]) -> int:
         job = _job(env)
     except UsageError:
         return 0
-    status = read_status(cfg, job)
+    status = jobstate.read_view(cfg, job)
     if status is None and is_request(env.get("SLURM_JOB_COMMENT", "")):
         status = {"state": "failed", "reason": "the prolog left no status (is the stagingloader Prolog configured, "
                                                "with PrologFlags=Alloc?)", "datasets": []}
@@ -340,18 +314,23 @@ def task_prolog(env: Mapping[str, str]) -> int:
 
 # ---- epilog --------------------------------------------------------------------------------------
 def epilog(env: Mapping[str, str]) -> int:
+    """Root's housekeeping after a job, driven only by root's own record and the site config."""
     try:
         cfg = site_config.load(env)
         job = _job(env)
         user = JobUser.from_env(env)
     except UsageError:
         return 0
-    status = read_status(cfg, job)
-    if status is None:
+    record = jobstate.read_record(cfg, job)  # never the job's copy: its user can write that
+    if record is None:
+        return 0
+    if record.get("uid") != user.uid:  # left by an older job with this id, another user's: not this job's
+        log.warning("stagingloader epilog: job %s: dropped a record of uid %s's job", job, record.get("uid"))
+        jobstate.remove(cfg, job)
         return 0
     say = JobLog(cfg, job, "epilog", user)
     try:
-        _epilog(cfg, job, user, status, say)
+        _epilog(cfg, job, user, record, say)
     except Exception as e:
         say(f"unexpected {type(e).__name__}: {e}")
     finally:
@@ -359,57 +338,67 @@ def epilog(env: Mapping[str, str]) -> int:
     return 0
 
 
-def _stop_supervisor(pid: int, say: JobLog) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGTERM)
-        say(f"stopped the stager (session {pid}) still running at the end of the job")
-        for _ in range(100):
-            os.killpg(pid, 0)
-            time.sleep(0.05)
-        os.killpg(pid, signal.SIGKILL)
+def _trusted_entry(cfg: site_config.SiteConfig, user: JobUser, d: Any, say: JobLog) -> dict[str, Any] | None:
+    """A dataset of root's record, its folders checked against the site config (never taken on trust)."""
+    if not isinstance(d, dict) or not isinstance(d.get("src"), str):
+        return None
+    shared = d.get("shared") is True and cfg.is_shared(d["src"])
+    allowed = shared_folders(cfg) if shared else private_folders(cfg, user)
+    roots = [Path(r) for r in d.get("roots", []) if isinstance(r, str) and Path(r) in allowed]
+    dd = d.get("dataset_dir")
+    if isinstance(dd, str) and Path(dd).parent not in roots:
+        say(f"ignored {dd}: not in a staging folder of this job")
+        dd = None
+    return {"src": d["src"], "shared": shared, "roots": roots, "dataset_dir": dd, "ok": d.get("state") == "ok",
+            "shard": d.get("shard")}
 
 
-def _epilog(cfg: site_config.SiteConfig, job: str, user: JobUser, status: dict[str, Any], say: JobLog) -> None:
-    if status.get("state") == "staging" and isinstance(status.get("supervisor"), int):
-        _stop_supervisor(status["supervisor"], say)
-        status = read_status(cfg, job) or status
+def _epilog(cfg: site_config.SiteConfig, job: str, user: JobUser, record: dict[str, Any], say: JobLog) -> None:
+    if record.get("state") == "staging":
+        rootsafe.stop_group(record.get("supervisor"), say)
+        record = jobstate.read_record(cfg, job) or record
     lease = f"slurm-job-{job}"
-    folders: set[tuple[str, bool]] = set()
-    for d in status.get("datasets", []):
-        for r in d.get("roots", []):
-            folders.add((r, bool(d.get("shared"))))
-        cleanup = d.get("state") != "ok"
-        ddirs = [d["dataset_dir"]] if d.get("dataset_dir") else []
-        if cleanup:  # a failed stage: find its leftovers by the lease it would have taken
-            ddirs = [str(p) for r in d.get("roots", []) for p in _datasets_named(r, d, user)]
-        for dd in ddirs:
-            if d.get("shared"):
-                release(DatasetDir(Path(dd)), lease)
-                answer: dict[str, Any] = {"ok": True}
-            else:
-                answer = run_worker({"op": "release", "dataset_dir": dd, "lease": lease, "cleanup": cleanup}, user)
-            say(f"released {lease} on {dd}: {answer}")
+    folders: set[tuple[Path, bool]] = set()
+    for raw in record.get("datasets", []):
+        d = _trusted_entry(cfg, user, raw, say)
+        if d is None:
+            continue
+        folders.update((r, d["shared"]) for r in d["roots"])
+        if d["shared"]:  # root's own folders: checked, then released as root (never cleaned: other jobs use it)
+            ddirs = [Path(d["dataset_dir"])] if d["dataset_dir"] else _datasets_named(d)
+            for dd in ddirs:
+                if not os.path.lexists(dd):
+                    continue
+                try:
+                    rootsafe.check_trusted_dir(dd)
+                except (OSError, CacheError) as e:
+                    say(f"did not release {lease} on {dd}: {e}")
+                    continue
+                release(DatasetDir(dd), lease)
+                say(f"released {lease} on {dd}")
+        else:  # the user's folder: everything in it is done as the user
+            op = {"op": "release", "lease": lease, "cleanup": not d["ok"], "dataset_dir": d["dataset_dir"],
+                  "src": d["src"], "shard": d["shard"], "roots": [str(r) for r in d["roots"]]}
+            answer = run_worker(op, user)
+            say(f"released {lease} in {', '.join(op['roots'])}: {answer}")
     if cfg.keep_bytes is not None:
         for folder, shared in sorted(folders):
             if shared:
-                result = gc(folder, cfg.keep_bytes, {})
+                try:
+                    rootsafe.check_trusted_dir(folder)
+                except (OSError, CacheError) as e:
+                    say(f"did not evict in {folder}: {e}")
+                    continue
+                result = gc(str(folder), cfg.keep_bytes, {})
             else:
-                result = run_worker({"op": "gc", "root": folder, "keep_bytes": cfg.keep_bytes}, user)
+                result = run_worker({"op": "gc", "root": str(folder), "keep_bytes": cfg.keep_bytes}, user)
             say(f"evicted under {cfg.keep_bytes} bytes in {folder}: removed {result.get('removed')}, "
                 f"kept in use {result.get('busy')}")
-    with contextlib.suppress(OSError):
-        status_path(cfg, job).unlink()
+    jobstate.remove(cfg, job)
 
 
-def _datasets_named(root: str, d: dict[str, Any], user: JobUser) -> list[Path]:
-    """Dataset folders in ``root`` made for this request's source (read as root only in root-owned folders)."""
-    from ..cache.layout import dataset_key
-    from ..staging.sources import Source
+def _datasets_named(d: dict[str, Any]) -> list[Path]:
+    """The dataset folders a shared request's source maps to in its roots (the site config names that source)."""
+    from .worker import datasets_for
 
-    try:
-        identity = Source(d["src"]).identity()
-    except (StagingError, OSError, ValueError):
-        return []
-    if d.get("shard"):
-        identity += f"?shard={d['shard'][0]}/{d['shard'][1]}"
-    return [Path(root) / dataset_key(identity)]
+    return [Path(p) for p in datasets_for(d["src"], d.get("shard"), [str(r) for r in d["roots"]])]

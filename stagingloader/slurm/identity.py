@@ -44,13 +44,23 @@ class JobUser:
             name, gid, home = env.get("SLURM_JOB_USER", str(uid)), uid, "/"
         if env.get("SLURM_JOB_GID", "").isdigit():
             gid = int(env["SLURM_JOB_GID"])
-        return cls(uid, gid, env.get("SLURM_JOB_USER") or name, home)
+        name = env.get("SLURM_JOB_USER") or name
+        if not name or "/" in name or name in (".", "..") or "\0" in name:
+            raise UsageError(f"SLURM_JOB_USER={name!r} cannot name a folder")  # it becomes ROOT/users/<name>
+        return cls(uid, gid, name, home)
 
     def groups(self) -> list[int]:
         try:
             return sorted(set(os.getgrouplist(self.name, self.gid)))
         except (KeyError, OSError):
             return [self.gid]
+
+
+# The worker runs this hook's own stagingloader (appended to sys.path: where the interpreter finds one
+# first, a venv's, that one wins; an editable or source checkout runs itself, not another install).
+_HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_WORKER_MAIN = (f"import sys; sys.path.append({_HERE!r}); "
+                "from stagingloader.slurm.worker import main; sys.exit(main())")
 
 
 def run_worker(op: dict[str, Any], user: JobUser | None, *, python: str | None = None,
@@ -62,7 +72,7 @@ def run_worker(op: dict[str, Any], user: JobUser | None, *, python: str | None =
     if user is not None and user.uid != os.geteuid():
         kwargs = {"user": user.uid, "group": user.gid, "extra_groups": user.groups()}
     try:
-        proc = subprocess.run([python or sys.executable, "-m", "stagingloader.slurm.worker"],
+        proc = subprocess.run([python or sys.executable, "-c", _WORKER_MAIN],
                               input=json.dumps(op), capture_output=True, text=True, env=env, cwd="/",
                               timeout=timeout, check=False, **kwargs)
     except subprocess.TimeoutExpired:

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..cache import housekeeping, leases
 from ..cache.capacity import tier_of
-from ..cache.layout import DatasetDir
+from ..cache.layout import DatasetDir, dataset_key
 from ..cache.locking import DatasetLock
 from ..errors import NoSpaceError, StagingError, UsageError
 from ..staging.result import StagedDataset
@@ -64,8 +64,26 @@ def _access(op: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "files": len(files)}
 
 
+def datasets_for(src: str, shard: list[int] | None, roots: list[str]) -> list[str]:
+    """The dataset folders a request for ``src`` (and ``shard``) uses in each of ``roots``."""
+    try:
+        identity = Source(src).identity()
+    except (StagingError, OSError, ValueError):
+        return []
+    if shard:
+        identity += f"?shard={shard[0]}/{shard[1]}"
+    return [str(Path(r) / dataset_key(identity)) for r in roots]
+
+
 def _release(op: dict[str, Any]) -> dict[str, Any]:
-    ddir = DatasetDir(Path(op["dataset_dir"]))
+    """Drop the job's lease on its dataset (a failed stage's: found from its source, as this user)."""
+    found = [op["dataset_dir"]] if op.get("dataset_dir") else datasets_for(op["src"], op.get("shard"), op["roots"])
+    answers = [_release_one(DatasetDir(Path(dd)), op) for dd in found]
+    return {"ok": True, "released": [a["released"] for a in answers], "removed": [a["removed"] for a in answers],
+            "datasets": found}
+
+
+def _release_one(ddir: DatasetDir, op: dict[str, Any]) -> dict[str, Any]:
     dropped = leases.release(ddir, op["lease"])
     removed = False
     if op.get("cleanup") and ddir.path.is_dir() and not ddir.path.is_symlink():

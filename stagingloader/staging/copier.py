@@ -38,9 +38,11 @@ import xxhash
 from .. import digest as dg
 from ..cache.layout import safe_join
 from ..cache.manifest import Entry
-from ..errors import NoSpaceError, SourceChangedError, StagingError, VerificationError
+from ..errors import NoSpaceError, RootError, SourceChangedError, StagingError, VerificationError
+from ..fsio import atomic_write
+from . import stable
 from .incoming import Incoming, partial_id
-from .retry import as_source_error
+from .retry import as_source_error, call_with_retry, is_transient_os_error
 from .sources import Source, SourceFile
 
 log = logging.getLogger(__name__)
@@ -200,6 +202,7 @@ class _LargeFile:
         self.src_fd = -1
         self.ranges_fd = -1
         self.finished = False
+        self.identity: stable.Identity | None = None  #: a local source's identity when it was opened
 
 
 class Copier:
@@ -336,7 +339,7 @@ class Copier:
                 mtime_ns, size = self._read_local(f, memoryview(buf), hasher, fd)
                 etag = ""
             else:
-                data = self.source.read_range(f.rel, 0, f.size) if f.size else b""
+                data = self.source.read_range(f.rel, 0, f.size, f.etag) if f.size else b""
                 hasher.update(data)
                 _write_all(fd, memoryview(data))
                 mtime_ns, size, etag = f.mtime_ns, f.size, f.etag
@@ -355,33 +358,35 @@ class Copier:
         return entry, buf
 
     def _read_local(self, f: SourceFile, view: memoryview, hasher: xxhash.xxh3_128, out_fd: int) -> tuple[int, int]:
-        """Copy a local file into ``out_fd`` through ``view``; return the (mtime_ns, size) copied."""
+        """Copy a local file into ``out_fd`` through ``view``; return the (mtime_ns, size) copied.
+
+        The bytes are one state of the file the listing named, or the file is refused (see :mod:`.stable`).
+        A transient error of a mounted share (EIO, ESTALE...) starts the read again, with back-off.
+        """
         path = self.source.local_path(f.rel)
-        for _ in range(3):
-            try:
-                src = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise as_source_error(e, path) from e
-            try:
-                size = 0
-                while n := os.readv(src, [view]):
-                    hasher.update(view[:n])
-                    _write_all(out_fd, view[:n])
-                    size += n
-                after = os.fstat(src)
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise
-                raise as_source_error(e, path) from e
-            finally:
-                os.close(src)
-            if size == after.st_size:
-                # the bytes read are the file as it stands (if it changed since the listing: at its new mtime)
-                return after.st_mtime_ns, size
+
+        def attempt() -> tuple[int, int] | None:
             hasher.reset()
             os.lseek(out_fd, 0, os.SEEK_SET)
             os.ftruncate(out_fd, 0)
-        raise SourceChangedError(f"{path} kept changing while it was copied; stage again once it is stable")
+            src, before = stable.open_listed(path, f)
+            try:
+                size = 0
+                while n := _read_source(src, view, path):
+                    hasher.update(view[:n])
+                    _write_out(out_fd, view[:n])
+                    size += n
+                after = stable.identity(src)
+            finally:
+                os.close(src)
+            return (after.mtime_ns, size) if after == before and size == after.size else None
+
+        for _ in range(stable.READ_TRIES):
+            got = call_with_retry(attempt, path, self.source.retry, self.stop)
+            if got is not None:
+                return got
+            log.info("%s changed while it was copied: reading it again", path)
+        raise stable.changing(path)
 
     def _publish(self, rel: str, tmp: str | Path, final: str | Path, entry: Entry) -> None:
         want = self.expected.get(rel)
@@ -416,16 +421,16 @@ class Copier:
         lf.fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         if not done:
             os.ftruncate(lf.fd, 0)
-            ranges_path.write_text(header + "\n", "utf-8")
+            atomic_write(ranges_path, (header + "\n").encode("utf-8"), mode=0o600)
         os.ftruncate(lf.fd, f.size)
-        lf.ranges_fd = os.open(ranges_path, os.O_WRONLY | os.O_APPEND)
+        lf.ranges_fd = os.open(ranges_path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
         if self.source.is_local:
             path = self.source.local_path(f.rel)
             try:
-                lf.src_fd = os.open(path, os.O_RDONLY)
-            except OSError as e:
+                lf.src_fd, lf.identity = stable.open_listed(path, f)
+            except BaseException:
                 self._close_one(lf)
-                raise as_source_error(e, path) from e
+                raise
         self._large.append(lf)
         return lf
 
@@ -447,14 +452,13 @@ class Copier:
                 buf = slots.buffer(buf)
                 view = memoryview(buf)[:length]
                 path = self.source.local_path(lf.file.rel)
-                try:
-                    n = os.preadv(lf.src_fd, [view], offset)
-                except OSError as e:
-                    raise as_source_error(e, path) from e
+                chunk = view
+                n = call_with_retry(lambda: _read_source(lf.src_fd, chunk, path, offset), path, self.source.retry,
+                                    self.stop)
                 if n != length:
                     raise SourceChangedError(f"{path} shrank while it was copied; stage again once it is stable")
             else:
-                view = memoryview(self.source.read_range(lf.file.rel, offset, offset + length))
+                view = memoryview(self.source.read_range(lf.file.rel, offset, offset + length, lf.file.etag))
             _pwrite_all(lf.fd, view, offset)
             os.write(lf.ranges_fd, f"{offset} {length} {dg.digest_bytes(view)}\n".encode())
         self.progress.add_bytes(length)
@@ -478,10 +482,15 @@ class Copier:
         f = lf.file
         mtime_ns = f.mtime_ns
         if lf.src_fd >= 0:
-            st = os.fstat(lf.src_fd)
-            if st.st_size != f.size or st.st_mtime_ns != f.mtime_ns:
+            opened, now = lf.identity, stable.identity(lf.src_fd)
+            if opened is None or now != opened or (now.size, now.mtime_ns) != (f.size, f.mtime_ns):
+                self._close_one(lf)
+                for p in (lf.tmp, lf.ranges_path):  # ranges of a file that changed must not be resumed
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
                 raise SourceChangedError(
-                    f"{self.source.local_path(f.rel)} changed while it was copied; stage again once it is stable")
+                    f"{self.source.local_path(f.rel)} changed while it was copied (or since it was listed); "
+                    "stage again once it is stable")
         if mtime_ns:
             os.utime(lf.fd, ns=(mtime_ns, mtime_ns))
         if self.settings.fsync:
@@ -512,6 +521,25 @@ class Copier:
                         p.unlink()
 
 
+def _read_source(fd: int, view: memoryview, path: str, offset: int | None = None) -> int:
+    """Read from a local source: a transient error as it is (to be retried), any other as a SourceError."""
+    try:
+        return os.readv(fd, [view]) if offset is None else os.preadv(fd, [view], offset)
+    except OSError as e:
+        if is_transient_os_error(e):
+            raise
+        raise as_source_error(e, path) from e
+
+
+def _write_out(fd: int, view: memoryview) -> None:
+    """Write to the staged copy: its errors are the staging root's (no space, read-only), never retried."""
+    try:
+        _write_all(fd, view)
+    except OSError as e:
+        err = as_root_error(e)
+        raise (err if isinstance(err, StagingError) else RootError(f"writing the staged copy failed: {e}")) from e
+
+
 def _write_all(fd: int, view: memoryview) -> None:
     while view:
         view = view[os.write(fd, view):]
@@ -532,8 +560,6 @@ def as_root_error(exc: BaseException) -> BaseException:
         return NoSpaceError(f"the staging root ran out of space{where}; partial files were removed, finished "
                             "ones are kept: free space (stagingloader gc) or pick a bigger --root, then stage again")
     if isinstance(exc, OSError) and exc.errno == errno.EROFS:
-        from ..errors import RootError
-
         return RootError(f"the staging root is read-only ({exc.filename}); remount it or pick another --root")
     return exc
 

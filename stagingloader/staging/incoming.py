@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
+import stat
 import threading
 import time
 from collections.abc import Mapping
@@ -21,7 +21,10 @@ from pathlib import Path
 import xxhash
 
 from .. import digest as dg
+from ..cache import trust
 from ..cache.manifest import Entry
+from ..errors import CacheError
+from ..fsio import atomic_write
 from .sources import SourceFile
 
 
@@ -49,9 +52,9 @@ class Incoming:
         self.entries: list[Entry] = []  #: every entry recorded by this process
 
     def open(self) -> None:
-        self.data.mkdir(parents=True, exist_ok=True)
-        self.partial.mkdir(exist_ok=True)
-        self._fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self.data.mkdir(mode=0o755, parents=True, exist_ok=True)
+        self.partial.mkdir(mode=0o755, exist_ok=True)
+        self._fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
 
     def close(self) -> None:
         self.flush()
@@ -104,18 +107,21 @@ class Incoming:
         done: dict[str, Entry] = {}
         stray = 0
         buf = bytearray(dg.CHUNK)
-        for dirpath, _dirs, names in os.walk(self.data):
+        walk = os.fwalk(self.data) if trust.lstat(self.data) is not None else iter(())
+        for dirpath, _dirs, names, dir_fd in walk:  # never through a link
             for name in names:
                 full = os.path.join(dirpath, name)
                 rel = os.path.relpath(full, self.data)
-                st = os.stat(full, follow_symlinks=False)
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    continue  # a link or another thing: never ours, swept
                 e = journal.get(rel)
                 if e is not None and st.st_size == e.size and st.st_mtime_ns == e.mtime_ns:
                     done[rel] = e
                     continue
                 f = listing.get(rel)
                 if e is None and f is not None and f.mtime_ns and (f.size, f.mtime_ns) == (st.st_size, st.st_mtime_ns):
-                    digest, size = dg.hash_file(full, buf)
+                    digest, size = dg.hash_file(full, buf, nofollow=True)
                     if size == f.size:
                         done[rel] = Entry(rel, size, f.mtime_ns, f.etag, digest)
                         continue
@@ -123,49 +129,65 @@ class Incoming:
         return done, stray
 
     def sweep(self, journaled: Mapping[str, Entry]) -> None:
-        """Remove files of ``data/`` not in ``journaled`` (copied again) and stale temp files."""
-        for dirpath, _dirs, files in os.walk(self.data):
-            for name in files:
+        """Remove files of ``data/`` not in ``journaled`` (copied again) and stale temp files.
+
+        Walks by directory descriptors and never through a link: a link found here is removed as a link, and
+        ``data/`` and ``.partial/`` themselves were checked to be real folders (``DatasetDir.check``)."""
+        walk = os.fwalk(self.data) if trust.lstat(self.data) is not None else iter(())
+        for dirpath, dirs, files, dir_fd in walk:
+            for name in files + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
                 full = os.path.join(dirpath, name)
                 if os.path.relpath(full, self.data) not in journaled:
-                    os.unlink(full)
+                    os.unlink(name, dir_fd=dir_fd)
         try:
-            names = set(os.listdir(self.partial))
+            fd = trust.open_dir(self.partial)
         except FileNotFoundError:
             return
-        for name in names:
-            stem, _, ext = name.partition(".")
-            resumable = (ext == "big" and f"{stem}.ranges" in names) or (ext == "ranges" and f"{stem}.big" in names)
-            if not resumable:
-                os.unlink(self.partial / name)
+        try:
+            names = set(os.listdir(fd))
+            for name in names:
+                stem, _, ext = name.partition(".")
+                resumable = (ext == "big" and f"{stem}.ranges" in names) or (ext == "ranges" and f"{stem}.big" in names)
+                if not resumable:
+                    with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                        os.unlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
 
     def drop(self, rels: list[str] | tuple[str, ...]) -> None:
         for rel in rels:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.data / rel)
+            trust.unlink_under(self.data, rel)
 
     def rewrite_journal(self, entries: list[Entry]) -> None:
         """Start a clean journal holding just ``entries`` (after a plan dropped stale ones)."""
         lines = [json.dumps([e.path, e.size, e.mtime_ns, e.etag, e.digest], ensure_ascii=False) for e in entries]
-        tmp = self.journal_path.with_suffix(".tmp")
-        tmp.write_bytes(("\n".join(lines) + ("\n" if lines else "")).encode("utf-8", "surrogateescape"))
-        os.replace(tmp, self.journal_path)
+        atomic_write(self.journal_path, ("\n".join(lines) + ("\n" if lines else "")).encode("utf-8", "surrogateescape"),
+                     mode=0o600)
 
     # ---- files -----------------------------------------------------------------------------
     def ensure_parent(self, final: str | Path) -> None:
-        """Create the parent folders of ``final``; refuse if one is a symlink (planted in the cache)."""
+        """Create the parent folders of ``final`` one by one under ``data/``; refuse a link on the way (planted in
+        the cache): nothing is created or written through it."""
         parent = os.path.dirname(final)
         if parent in self._dirs:
             return
-        os.makedirs(parent, exist_ok=True)
-        p = Path(parent)
-        data = self.data
-        while p != data and str(p) not in self._dirs:
-            if p.is_symlink():
-                raise OSError(f"refusing to write through the symlink {p}: the cache was tampered with")
-            p = p.parent
+        rel = os.path.relpath(parent, self.data)
+        if rel.startswith(".."):
+            raise CacheError(f"refusing to write {final}: it is outside {self.data}")
+        p = self.data
+        for part in ([] if rel == "." else rel.split("/")):
+            p = p / part
+            if str(p) in self._dirs:
+                continue
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(p, 0o755)
+            st = os.lstat(p)
+            if not stat.S_ISDIR(st.st_mode):
+                raise CacheError(f"refusing to write through {p}: it is {trust.kind_of(st)}, not a folder, so the "
+                                 f"cache was tampered with; remove {self.path} (rm -r {self.path}) and stage again")
+            self._dirs.add(str(p))
         self._dirs.add(parent)
 
     def remove_partials(self) -> None:
-        shutil.rmtree(self.partial, ignore_errors=True)
-        self.partial.mkdir(exist_ok=True)
+        trust.remove_tree(self.partial)
+        self.partial.mkdir(mode=0o755, exist_ok=True)

@@ -22,6 +22,10 @@ _PERMANENT_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errn
                      errno.ENAMETOOLONG}
 _PERMANENT_NAMES = {"NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId",
                     "SignatureDoesNotMatch", "AccessDenied", "NoSuchBucket", "NoSuchKey", "ParamValidationError"}
+#: what a mounted share (NFS, Lustre, GPFS, SMB) says when it is busy or its server restarts: worth retrying
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.EINTR, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET,
+                              errno.ECONNABORTED, errno.ENOTCONN, errno.EHOSTDOWN, errno.EHOSTUNREACH,
+                              errno.ENETUNREACH, errno.ENETDOWN, errno.EREMOTEIO, errno.ENOLINK})
 #: the endpoint does not answer at all: worth one more try, not eight (the client retried inside already)
 _UNREACHABLE_NAMES = {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
                       "ConnectionRefusedError", "ServerTimeoutError"}
@@ -43,6 +47,11 @@ def redact(text: str) -> str:
     """``text`` with the ``user:password@`` part of every URL in it removed: nothing stagingloader writes
     (folder names, dataset.json, manifests, ``ls``, logs, errors) carries a credential."""
     return _USERINFO.sub(r"\g<scheme>", text)
+
+
+def is_transient_os_error(exc: BaseException) -> bool:
+    """An error of a local or mounted file system that may go away if the read is tried again."""
+    return isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS
 
 
 def is_unreachable(exc: BaseException) -> bool:

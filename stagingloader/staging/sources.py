@@ -19,6 +19,7 @@ from typing import Any
 from ..cache.manifest import SOURCE_MANIFEST_NAME, Manifest
 from ..errors import (
     MissingDependencyError,
+    SourceChangedError,
     SourceError,
     SourceNotFoundError,
     UnsafePathError,
@@ -28,12 +29,12 @@ from .retry import RetryPolicy, as_source_error, call_with_retry, redact
 
 GLOB_CHARS = "*?["
 _INSTALL_HINTS = {
-    "s3": "pip install 'stagingloader[s3]'",
-    "s3a": "pip install 'stagingloader[s3]'",
+    "s3": "pip install s3fs (stagingloader's [s3] extra: pip install '.[s3]' in its checkout)",
+    "s3a": "pip install s3fs (stagingloader's [s3] extra: pip install '.[s3]' in its checkout)",
     "gs": "pip install gcsfs",
     "gcs": "pip install gcsfs",
-    "http": "pip install 'stagingloader[http]'",
-    "https": "pip install 'stagingloader[http]'",
+    "http": "pip install aiohttp (stagingloader's [http] extra: pip install '.[http]' in its checkout)",
+    "https": "pip install aiohttp (stagingloader's [http] extra: pip install '.[http]' in its checkout)",
     "az": "pip install adlfs",
     "abfs": "pip install adlfs",
 }
@@ -47,6 +48,8 @@ class SourceFile:
     size: int
     mtime_ns: int
     etag: str = ""
+    dev: int = 0  #: a local file's device and inode as listed: the copier refuses another file under its name
+    ino: int = 0
 
 
 def validate_rel(rel: str) -> str:
@@ -152,7 +155,7 @@ class Source:
             raise as_source_error(e, self.url) from e
         if stat.S_ISREG(st.st_mode):
             self._single = True
-            return [SourceFile(os.path.basename(self.base), st.st_size, st.st_mtime_ns)]
+            return [SourceFile(os.path.basename(self.base), st.st_size, st.st_mtime_ns, "", st.st_dev, st.st_ino)]
         return _scan(self.base, self.base, "")
 
     def _list_remote(self) -> list[SourceFile]:
@@ -196,14 +199,50 @@ class Source:
         return info
 
     # ---- reading ---------------------------------------------------------------------------
-    def read_range(self, rel: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of a remote file, retried on transient errors."""
+    def read_range(self, rel: str, start: int, end: int, etag: str = "") -> bytes:
+        """Bytes ``[start, end)`` of a remote file, retried on transient errors.
+
+        On S3, with the ``etag`` (``ETAG[@VERSION]``) the listing gave, every range is read from that one object
+        version (``If-Match``, and the version id where the bucket keeps versions), so the ranges of an object
+        overwritten while it is copied are never spliced: :class:`SourceChangedError` instead.
+        """
         path = self.path_of(rel)
-        data: bytes = call_with_retry(lambda: self.fs.cat_file(path, start=start, end=end), path, self.retry)
+        if etag and self.protocol in ("s3", "s3a"):
+            data: bytes = call_with_retry(lambda: self._s3_range(path, start, end, etag), path, self.retry)
+        else:
+            data = call_with_retry(lambda: self.fs.cat_file(path, start=start, end=end), path, self.retry)
         if len(data) != end - start:
             raise SourceError(f"{path}: expected {end - start} bytes at offset {start}, got {len(data)}; "
                               "the object changed while it was read, stage again")
         return data
+
+    def _s3_range(self, path: str, start: int, end: int, etag: str) -> bytes:
+        from fsspec.asyn import sync
+
+        bucket, key, _ = self.fs.split_path(path)
+        tag, _, version = etag.partition("@")
+        extra = {"VersionId": version} if version else {}
+        changed = SourceChangedError(f"{path} was overwritten while it was copied (its ETag is no longer {tag}); "
+                                     "stage again once it is stable")
+
+        async def get() -> bytes:
+            try:
+                resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                                              IfMatch=f'"{tag}"', **extra)
+            except OSError as e:
+                if _precondition_failed(e):
+                    raise changed from None
+                raise
+            try:
+                if str(resp.get("ETag", tag)).strip('"') != tag:
+                    raise changed
+                data: bytes = await resp["Body"].read()
+                return data
+            finally:
+                resp["Body"].close()
+
+        result: bytes = sync(self.fs.loop, get)
+        return result
 
     def local_path(self, rel: str) -> str:
         return self.path_of(rel)
@@ -264,6 +303,15 @@ def _filesystem(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     return fs, path
 
 
+def _precondition_failed(exc: BaseException) -> bool:
+    """An S3 answer 412 (PreconditionFailed): the object is no longer the version asked for."""
+    cause = exc.__cause__ or exc.__context__
+    response = getattr(cause, "response", None) or {}
+    code = response.get("Error", {}).get("Code")
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code == "PreconditionFailed" or status == 412 or "pre-condition" in str(exc).lower()
+
+
 def _remote_entry(rel: str, info: dict[str, Any]) -> SourceFile:
     mtime = info.get("LastModified") or info.get("mtime") or info.get("last_modified")
     if isinstance(mtime, datetime):
@@ -287,7 +335,7 @@ def _scan_one(path: str, base: str, rel: str) -> list[SourceFile]:
         st = os.stat(path)
     except OSError as e:
         raise as_source_error(e, path) from e
-    return [SourceFile(validate_rel(rel), st.st_size, st.st_mtime_ns)]
+    return [SourceFile(validate_rel(rel), st.st_size, st.st_mtime_ns, "", st.st_dev, st.st_ino)]
 
 
 def _scan(top: str, base: str, prefix: str) -> list[SourceFile]:
@@ -330,5 +378,6 @@ def _scan(top: str, base: str, prefix: str) -> list[SourceFile]:
                 stack.append((entry.path, rel + "/", ancestors | {key}))
             elif stat.S_ISREG(st.st_mode):
                 # a name from the directory has no "/" or NUL and is never "." or "..": only "\\" is left to refuse
-                out.append(SourceFile(validate_rel(rel) if "\\" in rel else rel, st.st_size, st.st_mtime_ns))
+                out.append(SourceFile(validate_rel(rel) if "\\" in rel else rel, st.st_size, st.st_mtime_ns, "",
+                                      st.st_dev, st.st_ino))
     return out

@@ -15,7 +15,7 @@ import errno
 import logging
 import math
 import os
-import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..cache import leases
+from ..cache import leases, trust
 from ..cache.capacity import Tier, resolve_root
 from ..cache.layout import DatasetDir, current_user, dataset_key, safe_join
 from ..cache.locking import DatasetLock
 from ..cache.manifest import Entry, Manifest
+from ..cache.registry import remember_root
 from ..errors import InternalError, ManifestError, NoSpaceError, RootError, UsageError
 from ..units import human_bytes
 from .copier import Copier, CopySettings, Progress, as_root_error
@@ -106,8 +107,12 @@ class StagePlan:
 def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = None,
               callback: Any = None, on_file: Callable[[int], None] | None = None,
               on_event: Callable[[str], None] | None = None,
-              pid_lease: bool = False) -> StagedDataset | StagePlan:
-    """Stage ``src`` as ``opts`` say; see :func:`stagingloader.stage`."""
+              holder_pid: int | None = None) -> StagedDataset | StagePlan:
+    """Stage ``src`` as ``opts`` say; see :func:`stagingloader.stage`.
+
+    The run's lease is the named one ``opts.lease`` if given, else one tied to the process ``holder_pid`` (the
+    Python API's own process; the CLI's caller), else none.
+    """
     env = dict(os.environ) if env is None else env
     say = on_event or (lambda text: log.info("%s", text))
     t0 = time.perf_counter()
@@ -117,18 +122,27 @@ def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = N
     identity = source.identity() + _selection_suffix(opts)
     key = dataset_key(identity)
     tier, why = resolve_root(opts.root, total, key, max_ram_fraction=opts.max_ram_fraction, env=env,
-                             user=current_user())
-    say(f"staging {source.url} ({len(listing)} files, {human_bytes(total)}) into {tier.describe()}: {why}")
+                             user=current_user(), create=not opts.dry_run)
+    say(f"{'would stage' if opts.dry_run else 'staging'} {source.url} ({len(listing)} files, {human_bytes(total)}) "
+        f"into {tier.describe()}: {why}")
     run = _Run(source=source, listing=listing, opts=opts, tier=tier, why=why, ddir=DatasetDir(tier.path / key),
                t0=t0, say=say)
-    if run.ddir.path.is_dir() and not os.access(run.ddir.path, os.W_OK) and not opts.dry_run:
+    foreign = _someone_elses(run.ddir)  # another user's folder, or a link, is refused here
+    if opts.dry_run:
+        if not foreign and trust.lstat(run.ddir.path) is not None:
+            run.ddir.check(writable=True)
+        return _dry_run(run)
+    if foreign:
         return _use_read_only(run)
     try:
-        run.ddir.path.mkdir(mode=0o700, exist_ok=True)
+        trust.private_dir(run.ddir.path, what="dataset folder",
+                          fix="remove it (rm -r {path}) and stage again, or pick another --root")
     except PermissionError:
         raise RootError(f"cannot create {run.ddir.path}: permission denied; pick another --root") from None
+    run.ddir.check(writable=True)
+    remember_root(tier.path, env)
     with DatasetLock(run.ddir.lock_file, timeout=opts.lock_timeout, on_wait=say):
-        return _stage_locked(run, identity=identity, callback=callback, on_file=on_file, pid_lease=pid_lease)
+        return _stage_locked(run, identity=identity, callback=callback, on_file=on_file, holder_pid=holder_pid)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,8 +167,19 @@ class _Run:
         return (not self.tier.mount.is_memory) if self.opts.fsync is None else self.opts.fsync
 
 
+def _someone_elses(ddir: DatasetDir) -> bool:
+    """Is the dataset folder there and someone else's?  Only root's may be read (a site-shared copy); one of
+    another ordinary user, or a link, is refused here with a CacheError naming it."""
+    st = trust.lstat(ddir.path)
+    if st is None or (st.st_uid == os.geteuid() and not stat.S_ISLNK(st.st_mode)):
+        return False
+    ddir.check(writable=False)
+    return True
+
+
 def _use_read_only(run: _Run) -> StagedDataset:
-    """A dataset someone else staged for us (a site-wide shared copy): use it as it is, if it is current.
+    """A dataset root staged for everyone (a site-wide shared copy): use it as it is, if it is current and,
+    checked as ``--verify`` says and against the source manifest where there is one, intact.
 
     Its owner (the Slurm prolog, for a shared dataset) holds the lease that protects it.
     """
@@ -164,7 +189,7 @@ def _use_read_only(run: _Run) -> StagedDataset:
         raise RootError(f"{ddir.path} belongs to another user and holds no complete copy yet; wait for its stager "
                         f"(the Slurm prolog) or read {source.url} directly")
     manifest = ddir.load_manifest(version)
-    plan = make_plan(run.listing, manifest, base_bad=check_fast(ddir.version_dir(version) / "data", manifest))
+    plan = make_plan(run.listing, manifest, base_bad=_check_base(run, version, manifest, _expected_digests(source)))
     if not plan.up_to_date:
         raise RootError(f"the shared copy {ddir.path} ({version}) differs from {source.url} in "
                         f"{len(plan.copy) + plan.removed} files and only its owner can update it; read the source "
@@ -186,7 +211,7 @@ def _selection_suffix(opts: StageOptions) -> str:
 
 
 def _stage_locked(run: _Run, *, identity: str, callback: Any, on_file: Callable[[int], None] | None,
-                  pid_lease: bool) -> StagedDataset | StagePlan:
+                  holder_pid: int | None) -> StagedDataset | StagePlan:
     """The stage's story, under the dataset's lock: check what is staged, plan, copy, publish, lease."""
     ddir = run.ddir
     ddir.sweep_deleting()
@@ -197,26 +222,34 @@ def _stage_locked(run: _Run, *, identity: str, callback: Any, on_file: Callable[
     incoming = Incoming(ddir.incoming, fsync=run.fsync)
     done, stray = incoming.load({f.rel: f for f in run.listing}) if ddir.incoming.exists() else ({}, 0)
     plan = make_plan(run.listing, base, base_bad=base_bad, incoming=done, free_bytes=run.tier.budget + stray)
-    if run.opts.dry_run:
-        return StagePlan(run.source.url, str(run.tier.path), run.why, str(ddir.path), plan)
     _refuse_if_short(run, plan)
     copier = None
     if plan.up_to_date:
         if base is None or base_version is None:
             raise InternalError("a plan found the dataset up to date without a staged version")
         version, manifest = base_version, base
-        if ddir.incoming.exists():
-            shutil.rmtree(ddir.incoming, ignore_errors=True)
+        trust.remove_tree(ddir.incoming)
     else:
         version = ddir.next_version()
         progress = Progress(callback, on_file)
         manifest, copier = _build_version(run, plan, incoming, done, expected, progress, base_version, version)
         _forget_repairs(ddir, version)
-    lease_name = _take_lease(run, version, pid_lease)
+    lease_name = _take_lease(run, version, holder_pid)
     _remove_unleased(ddir, keep=version)
     ddir.touch()
     return StagedDataset(run.source.url, ddir.version_dir(version) / "data", version, ddir.path, manifest,
                          _report(run, plan, manifest, version, copier), lease_name)
+
+
+def _dry_run(run: _Run) -> StagePlan:
+    """What a stage would do, found without writing anything: no folder, no lock, no lease, no switch."""
+    ddir = run.ddir
+    base_version, base = _load_base(ddir, run.say, publish=False) if ddir.path.is_dir() else (None, None)
+    base_bad = _check_base(run, base_version, base, _expected_digests(run.source))
+    incoming = Incoming(ddir.incoming, fsync=False)
+    done, stray = incoming.load({f.rel: f for f in run.listing}) if ddir.incoming.is_dir() else ({}, 0)
+    plan = make_plan(run.listing, base, base_bad=base_bad, incoming=done, free_bytes=run.tier.budget + stray)
+    return StagePlan(run.source.url, str(run.tier.path), run.why, str(ddir.path), plan)
 
 
 def _record_dataset(run: _Run, identity: str) -> None:
@@ -262,12 +295,12 @@ def _forget_repairs(ddir: DatasetDir, version: str) -> None:
     ddir.write_repairs(repairs)
 
 
-def _take_lease(run: _Run, version: str, pid_lease: bool) -> str | None:
-    """A named lease (``--lease``), or one tied to this process (the Python API), or none."""
+def _take_lease(run: _Run, version: str, holder_pid: int | None) -> str | None:
+    """This run's lease: a named one (``--lease``, a Slurm job's), or one tied to the process ``holder_pid``."""
     name = run.opts.lease
-    if name is None and not pid_lease:
+    if name is None and holder_pid is None:
         return None
-    return leases.take(run.ddir, version, name=name, pid=None if name else os.getpid()).name
+    return leases.take(run.ddir, version, name=name, pid=None if name else holder_pid).name
 
 
 def _report(run: _Run, plan: CopyPlan, manifest: Manifest, version: str, copier: Copier | None) -> StageReport:
@@ -284,15 +317,16 @@ def _report(run: _Run, plan: CopyPlan, manifest: Manifest, version: str, copier:
     )
 
 
-def _load_base(ddir: DatasetDir, say: Callable[[str], None]) -> tuple[str | None, Manifest | None]:
+def _load_base(ddir: DatasetDir, say: Callable[[str], None], *,
+               publish: bool = True) -> tuple[str | None, Manifest | None]:
+    """The published version and its manifest; a version whose switch was interrupted is published now."""
     version = ddir.current()
     if version is None:
-        versions = ddir.versions()
-        complete = [v for v in versions if (ddir.version_dir(v) / "manifest.json").exists()]
-        if not complete:
+        version = ddir.newest_complete()  # published but the switch was interrupted
+        if version is None:
             return None, None
-        version = complete[-1]  # published but the switch was interrupted
-        ddir.publish(version)
+        if publish:
+            ddir.publish(version)
     try:
         return version, ddir.load_manifest(version)
     except ManifestError as e:
@@ -313,7 +347,7 @@ def _build_version(run: _Run, plan: CopyPlan, incoming: Incoming, done: dict[str
     if ddir.incoming.exists():
         incoming.sweep(done)
         incoming.drop(plan.drop)
-    incoming.path.mkdir(exist_ok=True)
+    incoming.path.mkdir(mode=0o755, exist_ok=True)
     incoming.rewrite_journal(list(plan.keep))
     incoming.open()
     to_copy = [f for f, _ in plan.copy]
@@ -342,7 +376,7 @@ def _build_version(run: _Run, plan: CopyPlan, incoming: Incoming, done: dict[str
         manifest.save(ddir.incoming / "manifest.json", fsync=incoming.fsync)
     except OSError as e:
         raise as_root_error(e) from e
-    shutil.rmtree(incoming.partial, ignore_errors=True)
+    trust.remove_tree(incoming.partial)
     with contextlib.suppress(FileNotFoundError):
         incoming.journal_path.unlink()
     os.rename(ddir.incoming, ddir.version_dir(version))

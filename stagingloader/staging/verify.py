@@ -12,6 +12,7 @@ from pathlib import Path
 from .. import digest as dg
 from ..cache.layout import DatasetDir, find_dataset_dir
 from ..cache.manifest import Manifest
+from ..errors import ManifestError
 from .copyplan import CORRUPT, MISSING
 from .result import StagedDataset, VerifyReport
 
@@ -45,7 +46,7 @@ def check_full(data: Path, manifest: Manifest, workers: int = 4,
         if buf is None:
             buf = local.buf = bytearray(dg.CHUNK)
         try:
-            digest, size = dg.hash_file(data / rel, buf)
+            digest, size = dg.hash_file(data / rel, buf, nofollow=True)
         except OSError:
             with lock:
                 bad[rel] = MISSING
@@ -76,21 +77,21 @@ def verify(dataset: StagedDataset | str | os.PathLike[str], *, workers: int = 4,
         ddir, version = DatasetDir(dataset.dataset_dir), dataset.version
     else:
         ddir, version = find_dataset_dir(Path(dataset))
-    version = version or ddir.current()
+    ddir.check(writable=False)
+    version = version or ddir.current() or ddir.newest_complete()
     if version is None:
-        from ..errors import ManifestError
-
-        raise ManifestError(f"{ddir.path} has no complete version yet; stage it first")
+        raise ManifestError(f"{ddir.path} has no complete version yet; stage it first (stagingloader stage SRC)")
     manifest = ddir.load_manifest(version)
     t0 = time.perf_counter()
     bad, details = check_full(ddir.version_dir(version) / "data", manifest, workers, on_bytes)
     seconds = time.perf_counter() - t0
-    repairs = ddir.read_repairs()
-    if bad:
-        repairs[version] = sorted(bad)
-    else:
-        repairs.pop(version, None)
-    ddir.write_repairs(repairs)
+    if ddir.path.lstat().st_uid == os.geteuid():  # a copy of root's is only read; its stager repairs it
+        repairs = ddir.read_repairs()
+        if bad:
+            repairs[version] = sorted(bad)
+        else:
+            repairs.pop(version, None)
+        ddir.write_repairs(repairs)
     return VerifyReport(
         str(ddir.path), version, len(manifest), manifest.total_bytes, seconds,
         tuple(sorted(r for r, why in bad.items() if why == CORRUPT)),

@@ -68,7 +68,8 @@ def test_missing_cufile_names_the_install_line(disk_rows: sl.StagedArrays, monke
     how, why = select.cufile()
     if how:
         pytest.skip(f"cuFile is reachable here ({how})")
-    with pytest.raises(sl.MissingDependencyError, match=r"needs cuFile: .*pip install 'stagingloader\[gds\]'"):
+    with pytest.raises(sl.MissingDependencyError,
+                       match=r"needs cuFile: .*pip install kvikio-cu13 .*pip install '\.\[gds\]'"):
         choose("gds", disk_rows, "cuda")
     c = choose("auto", disk_rows, "cuda")
     assert c.backend == "torch" and why in c.note

@@ -209,7 +209,7 @@ def test_missing_dali_names_the_install_line(trees: dict[str, Path]) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert "MISSING" in out.stdout, out.stderr
-    assert "pip install 'stagingloader[dali]'" in out.stdout
+    assert "pip install nvidia-dali-cuda130" in out.stdout and "pip install '.[dali]'" in out.stdout
 
 
 def test_a_stalling_pipeline_is_blamed_on_dali(trees: dict[str, Path]) -> None:

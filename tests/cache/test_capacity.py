@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -82,10 +83,19 @@ def test_read_only_root_is_refused(tmp_path: Path, src: Path) -> None:
     assert "read-only" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_missing_root_is_refused(src: Path, tmp_path: Path) -> None:
-    proc = run_cli("stage", str(src), "--root", str(tmp_path / "nope"))
+def test_missing_root_is_created_when_its_parent_exists(src: Path, tmp_path: Path) -> None:
+    """As ``cp -r`` and ``rsync`` create their target: mode 0700, private to the user."""
+    proc = run_cli("stage", str(src), "--root", str(tmp_path / "new"))
+    assert proc.returncode == 0, proc.stderr
+    assert stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o700
+
+
+def test_missing_root_and_parent_is_refused(src: Path, tmp_path: Path) -> None:
+    """A missing parent too is more likely a typo: refused, saying so, and nothing is created."""
+    proc = run_cli("stage", str(src), "--root", str(tmp_path / "nope" / "deeper"))
     assert proc.returncode == 6
-    assert "does not exist" in proc.stderr and "mkdir -p" in proc.stderr
+    assert "does not exist, nor does its parent" in proc.stderr and "mkdir -p" in proc.stderr
+    assert not (tmp_path / "nope").exists()
 
 
 def test_root_not_writable_by_the_user(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from tests.support.trees import make_tree, tree_digests
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the Slurm tests start daemons as root")
 
 USER = "sltest"
+REPO = Path(__file__).resolve().parents[2]  # the hooks run this checkout, not whatever the venv has installed
 
 JOB = """#!/bin/sh
 #SBATCH --time=5
@@ -146,7 +147,8 @@ tmpfs = "{base}/roots/{{node}}/tmpfs"
 nvme = "{base}/roots/{{node}}/nvme/mnt"
 """)
     config.chmod(0o644)
-    cluster = SlurmCluster(hooks_python=sys.executable, hook_env={"STAGINGLOADER_CONFIG": str(config)})
+    cluster = SlurmCluster(hooks_python=sys.executable, hook_env={"STAGINGLOADER_CONFIG": str(config),
+                                                                   "PYTHONPATH": str(REPO)})
     with mounted_tmpfs(base / "roots" / "n1" / "nvme", "1m"), mounted_tmpfs(base / "roots" / "n2" / "nvme", "1m"):
         cluster.start()
         try:
@@ -288,3 +290,27 @@ def test_stage_past_the_budget_goes_on_detached_and_the_job_waits_for_it(site: S
     assert r["stage_digests"] == tree_digests(src)  # the job's stage() waited for the detached copy
     assert "past the prolog's budget" in site.hook_log("n1", job)
     assert site.cluster.node_states()["n1"] == "idle"
+
+
+def test_a_squatted_staging_root_fails_the_job_not_the_node(site: Site) -> None:
+    """A file a user made at the tmpfs root's path (in /dev/shm anyone can, after a reboot): the job is told,
+    the prolog exits 0 and the node stays in service."""
+    root = site.roots("n2") / "tmpfs"
+    aside = root.with_name("tmpfs.aside")
+    if root.exists():
+        root.rename(aside)
+    root.write_text("squatted\n")
+    os.chown(root, site.user.pw_uid, site.user.pw_gid)
+    try:
+        job, r = site.run_job("squatted", f"stage={site.sources / 'data'};root=tmpfs", "-w", "n2")
+        assert r["STAGINGLOADER_STATUS"].startswith("failed: "), r
+        assert str(root) in r["STAGINGLOADER_STATUS"] and USER in r["STAGINGLOADER_STATUS"], r
+        assert "STAGINGLOADER_DATASET" not in r
+        assert str(root) in site.hook_log("n2", job)
+        assert site.cluster.node_states()["n2"] == "idle"
+        assert root.read_text() == "squatted\n" and root.stat().st_uid == site.user.pw_uid
+    finally:
+        root.unlink()
+        if aside.exists():
+            aside.rename(root)
+        site.cluster.run("scontrol", "update", "nodename=n2", "state=resume", check=False)

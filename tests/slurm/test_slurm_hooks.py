@@ -25,6 +25,7 @@ from tests.support.trees import make_tree, tree_digests
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the hooks run as root and drop to a job user")
 
 USER = "sltest"
+REPO = Path(__file__).resolve().parents[2]  # the hooks run this checkout, not whatever the venv has installed
 
 
 class Hooks:
@@ -45,7 +46,7 @@ class Hooks:
     def env(self, comment: str, job: int) -> dict[str, str]:
         return {"SLURM_JOB_ID": str(job), "SLURM_JOB_COMMENT": comment, "SLURM_JOB_UID": str(self.user.pw_uid),
                 "SLURM_JOB_GID": str(self.user.pw_gid), "SLURM_JOB_USER": USER, "SLURMD_NODENAME": "n1",
-                "SLURM_NODELIST": "n1", "STAGINGLOADER_CONFIG": str(self.config)}
+                "SLURM_NODELIST": "n1", "STAGINGLOADER_CONFIG": str(self.config), "PYTHONPATH": str(REPO)}
 
     def hook(self, hook: str, comment: str, job: int, *, as_user: bool = False) -> subprocess.CompletedProcess[str]:
         kw: dict[str, Any] = {}

@@ -64,3 +64,55 @@ def test_one_process_per_node_stages(src: Path, root: Path, mode: str) -> None:
         assert int(results[0]["copied"]) == results[0]["files"]  # local rank 0 staged; the others waited
     assert len({r["lease"] for r in results}) == 3  # each holds its own lease
     assert tree_digests(Path(str(results[0]["root"]))) == tree_digests(src)
+
+
+ONCE = """
+import json, os, sys, time, datetime
+import torch.distributed as dist
+from stagingloader.errors import NoSpaceError
+from stagingloader.staging.distributed import run_once_per_node
+# the job's own group times out after 2 s: staging must not be held to it
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
+rank = int(os.environ["RANK"])
+calls = []
+def stage():
+    calls.append(rank)
+    if rank == 0:
+        time.sleep(float(sys.argv[1]))
+        if sys.argv[2] == "fail":
+            raise NoSpaceError("the dataset needs 9 GiB on /dev/shm: 3 GiB short")
+    return f"staged by {rank}"
+try:
+    out = {"rank": rank, "result": run_once_per_node(stage, os.environ), "calls": calls}
+except Exception as e:
+    out = {"rank": rank, "error": type(e).__name__, "message": str(e), "calls": calls}
+print(json.dumps(out))
+"""
+
+
+def _run_once(world: int, sleep: float, outcome: str) -> list[dict[str, object]]:
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-c", ONCE, str(sleep), outcome], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def test_a_stage_longer_than_the_jobs_collective_timeout_is_waited_for() -> None:
+    results = _run_once(3, 4.0, "ok")  # the stage outlasts the 2 s timeout of the job's process group
+    assert [r.get("result") for r in results] == ["staged by 0", "staged by 1", "staged by 2"], results
+
+
+def test_a_failure_on_the_staging_rank_fails_every_rank_with_the_same_error() -> None:
+    results = _run_once(3, 0.5, "fail")
+    assert {r.get("error") for r in results} == {"NoSpaceError"}, results
+    assert {r["message"] for r in results} == {"the dataset needs 9 GiB on /dev/shm: 3 GiB short"}
+    assert [r["calls"] for r in results] == [[0], [], []]  # nobody else tried to stage it again

@@ -113,6 +113,23 @@ def test_transient_faults_are_retried_to_identical_bytes(s3: S3Server, root: Pat
     _check_bytes(ds.root, want)
 
 
+def test_an_object_overwritten_between_its_ranges_is_never_published_spliced(s3: S3Server, root: Path) -> None:
+    key, size = "race/big.bin", 40 << 20  # five 8 MiB ranges
+    fs = _s3fs(s3)
+    old, new = content(key, size, salt="old"), content(key, size, salt="new")
+    fs.pipe_file(f"{BUCKET}/{key}", old)
+    host, port = s3.endpoint_url.split("//")[1].split(":")
+    with FaultProxy(host, int(port), error_rate=0.0, drop_rate=0.0) as proxy:
+        proxy.hold(key, after=1, action=lambda: fs.pipe_file(f"{BUCKET}/{key}", new))
+        with pytest.raises(sl.SourceError, match=r"race/big\.bin"):
+            sl.stage(f"s3://{BUCKET}/race", root=str(root), workers=8,
+                     storage_options=s3.storage_options(endpoint_url=proxy.endpoint_url))
+    assert not list(root.rglob("big.bin")), "a spliced object was published"
+    ds = sl.stage(f"s3://{BUCKET}/race", root=str(root), storage_options=s3.storage_options())
+    assert (ds.root / "big.bin").read_bytes() == new
+    assert sl.verify(ds).ok
+
+
 def test_permanent_error_fails_with_the_object_name(s3: S3Server, root: Path) -> None:
     host, port = s3.endpoint_url.split("//")[1].split(":")
     with FaultProxy(host, int(port), error_rate=0.0, drop_rate=0.0) as proxy:

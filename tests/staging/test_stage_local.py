@@ -12,6 +12,7 @@ import pytest
 import stagingloader as sl
 from stagingloader.cache import leases
 from stagingloader.cache.layout import DatasetDir
+from tests.conftest import run_cli
 from tests.support.trees import content, make_tree, tree_digests
 
 
@@ -164,11 +165,23 @@ def test_include_exclude_and_glob(src: Path, root: Path) -> None:
     assert globbed.key != only_cats.key
 
 
-def test_dry_run_plans_without_copying(src: Path, root: Path) -> None:
+def test_dry_run_plans_without_writing_anything(src: Path, root: Path, tmp_path: Path) -> None:
     plan = sl.stage(str(src), root=str(root), dry_run=True)
     assert isinstance(plan, sl.StagePlan)
     assert plan.plan.fits and len(plan.plan.copy) == len(tree_digests(src))
-    assert not any(p.name.startswith("v") for p in Path(plan.dataset_dir).iterdir())
+    assert list(root.iterdir()) == []  # no dataset folder, dataset.json or .lock: ls shows no phantom
+    assert sl.stage(str(src), root=str(root)).report is not None
+    (src / "cat" / "000.bin").write_bytes(b"changed")
+    snapshot = sorted((p.relative_to(root), p.lstat().st_mtime_ns) for p in root.rglob("*"))
+    again = sl.stage(str(src), root=str(root), dry_run=True)
+    assert isinstance(again, sl.StagePlan) and [f.rel for f, _ in again.plan.copy] == ["cat/000.bin"]
+    assert sorted((p.relative_to(root), p.lstat().st_mtime_ns) for p in root.rglob("*")) == snapshot
+    # --root auto: the per-user folder a dry run would use is not created either
+    env_root = tmp_path / "auto-home"
+    env_root.mkdir()
+    auto = run_cli("stage", str(src), "--dry-run", env={"TMPDIR": str(env_root), "STAGINGLOADER_ROOT": ""})
+    assert auto.returncode == 0, auto.stderr
+    assert list(env_root.iterdir()) == []
 
 
 def test_names_with_spaces_unicode_and_newlines(tmp_path: Path, root: Path) -> None:

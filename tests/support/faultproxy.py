@@ -21,6 +21,7 @@ import struct
 import sys
 import threading
 from collections import Counter
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 
@@ -86,6 +87,7 @@ class FaultProxy:
         self.handler_errors: list[str] = []  # exceptions in handler threads (client went away...)
         self._lock = threading.Lock()
         self._always: list[tuple[str, int]] = []
+        self._holds: list[_Hold] = []
         self._server: _QuietServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -103,6 +105,20 @@ class FaultProxy:
         """Answer ``status`` (S3 XML error) to every request whose target contains ``substring``."""
         with self._lock:
             self._always.append((substring, status))
+
+    def hold(self, substring: str, *, after: int, action: Callable[[], None]) -> None:
+        """Let the first ``after`` ranged GETs whose path contains ``substring`` through; hold the later ones until
+        ``action`` (run once, by the first held request) has returned: e.g. overwrite the object between its ranges."""
+        with self._lock:
+            self._holds.append(_Hold(substring, after, action))
+
+    def _wait_for_holds(self, method: str, target: str, ranged: bool) -> None:
+        if method != "GET" or not ranged:
+            return
+        path = target.split("?", 1)[0]
+        for h in list(self._holds):
+            if h.substring in path:
+                h.pass_or_wait()
 
     def clear_failures(self) -> None:
         with self._lock:
@@ -188,6 +204,31 @@ class FaultProxy:
         self.stop()
 
 
+class _Hold:
+    """One ``FaultProxy.hold`` rule: the first ``after`` requests pass, the rest wait for ``action`` to have run."""
+
+    def __init__(self, substring: str, after: int, action: Callable[[], None]) -> None:
+        self.substring, self.after, self.action = substring, after, action
+        self.seen = 0
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.ran = 0
+
+    def pass_or_wait(self) -> None:
+        with self.lock:
+            self.seen += 1
+            if self.seen <= self.after:
+                return
+            first = self.ran == 0
+            self.ran += 1
+        if first:
+            try:
+                self.action()
+            finally:
+                self.done.set()
+        self.done.wait(60)
+
+
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
     errors: list[str]
@@ -234,6 +275,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
     def _proxy(self) -> None:
         self.close_connection = True
+        self.owner._wait_for_holds(self.command, self.path, "Range" in self.headers)
         action, status = self.owner._decide(self.command, self.path)
         if action == "forced":
             self._send_error_xml(status, _CODES.get(status, "InjectedError"), "fault proxy: permanent failure")

@@ -1,0 +1,266 @@
+"""How the root hooks keep from acting on what a user controls.
+
+Three rules, each a function here:
+
+- **Folders root writes in are root's.**  :func:`check_trusted_dir` accepts a folder only when it and
+  every folder above it is owned by root (or the hook's own uid), is a real folder, and only its
+  owner can change it (a world-writable folder above is allowed when sticky, like ``/dev/shm``:
+  others cannot rename what root owns there).  Anything else raises :class:`CacheError` naming the
+  path and who owns it.  :func:`ensure_dir` creates or checks a folder through a file descriptor
+  opened with ``O_NOFOLLOW``, so a ``chown``/``chmod`` never lands on a link's target.
+- **Files are opened, never followed.**  :func:`open_file` opens with ``O_NOFOLLOW | O_NONBLOCK``
+  (a planted FIFO cannot hang a hook) and checks what it got is a regular file.
+- **Root signals only what it started.**  :func:`stop_group` signals a process group only while its
+  leader is the process root recorded: pid > 1, same start time (``/proc/PID/stat``), owned by
+  root, leading its own session.  Never ``kill(-1)``, never a group a file can name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import signal
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CacheError
+
+_MAX_LINKS = 8
+
+
+def owner(uid: int) -> str:
+    """``name (uid N)``, or ``uid N`` for a uid with no name."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def describe(path: Path) -> str:
+    """What sits at ``path`` and who owns it, never following a link: for messages."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
+        with contextlib.suppress(OSError):
+            return f"a symbolic link to {os.readlink(path)} owned by {owner(st.st_uid)}"
+    if stat.S_ISDIR(st.st_mode):
+        return f"a folder owned by {owner(st.st_uid)}, mode {mode:04o}"
+    if stat.S_ISREG(st.st_mode):
+        return f"a regular file owned by {owner(st.st_uid)}"
+    return f"a special file (type {stat.S_IFMT(st.st_mode):o}) owned by {owner(st.st_uid)}"
+
+
+def _trusted_uids() -> set[int]:
+    return {0, os.geteuid()}
+
+
+def _gid_min() -> int:
+    """The first gid of ordinary groups (``GID_MIN`` in /etc/login.defs): below it, groups of daemons."""
+    with contextlib.suppress(OSError, ValueError), open("/etc/login.defs") as f:
+        for line in f:
+            words = line.split()
+            if len(words) == 2 and words[0] == "GID_MIN":
+                return int(words[1])
+    return 1000
+
+
+def _others_can_write(st: os.stat_result) -> bool:
+    """World-writable, or writable by a group users may be in: a system group (Ubuntu's ``/var/log`` is
+    ``root:syslog 0775``) holds daemons, not job users; ``users`` (gid 100) and ordinary groups do."""
+    if st.st_mode & 0o002:
+        return True
+    return bool(st.st_mode & 0o020) and (st.st_gid >= _gid_min() or st.st_gid == 100)
+
+
+def _refuse(path: Path, why: str) -> CacheError:
+    return CacheError(f"{path} is {describe(path)}: {why}; the hooks will not use it until an admin removes it "
+                      "(create the hooks' folders at boot, root-owned: see docs/slurm.md)")
+
+
+def check_trusted_dir(path: Path, *, sticky_ok: bool = False, _depth: int = 0) -> None:
+    """Raise :class:`CacheError` unless only root (or this uid) can change ``path`` and the folders above it.
+
+    ``sticky_ok``: ``path`` itself may be writable by all when sticky (a parent to create root's folder in).
+    """
+    if _depth > _MAX_LINKS:
+        raise CacheError(f"{path}: too many symbolic links on the way")
+    path = Path(os.path.abspath(path))
+    trusted = _trusted_uids()
+    cur = Path("/")
+    parts = path.parts[1:]
+    for i, part in enumerate(("", *parts)):
+        cur = cur / part if part else cur
+        final = i == len(parts)
+        try:
+            st = os.lstat(cur)
+        except FileNotFoundError:
+            raise CacheError(f"{cur} does not exist") from None
+        if stat.S_ISLNK(st.st_mode) and not final and st.st_uid in trusted:
+            target = Path(os.path.realpath(cur))  # a link root made (/var/run -> /run): check where it leads
+            check_trusted_dir(target, sticky_ok=True, _depth=_depth + 1)
+            cur = target
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            raise _refuse(cur, "not a folder")
+        if st.st_uid not in trusted:
+            raise _refuse(cur, "root does not own it")
+        if _others_can_write(st) and ((final and not sticky_ok) or not st.st_mode & stat.S_ISVTX):
+            raise _refuse(cur, "others can write into it")
+
+
+def check_trusted_file(path: Path) -> None:
+    """Raise :class:`CacheError` unless only root (or this uid) can change the file ``path`` (the site config)."""
+    check_trusted_dir(Path(os.path.abspath(path)).parent)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) and st.st_uid in _trusted_uids():
+        target = Path(os.path.realpath(path))
+        check_trusted_dir(target.parent)
+        st = os.lstat(target)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid not in _trusted_uids() or _others_can_write(st):
+        raise _refuse(path, "not a file that only root can change")
+
+
+def ensure_dir(path: Path, mode: int, uid: int, gid: int) -> None:
+    """Create ``path`` (in a folder root owns) or check it is a real folder owned by ``uid``; set its mode.
+
+    Every change goes through a descriptor opened with ``O_NOFOLLOW``: a link planted in its place is
+    refused, never followed.
+    """
+    created = False
+    try:
+        os.mkdir(path, 0o700)
+        created = True
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        raise _refuse(path, f"not a folder owned by {owner(uid)}") from None
+    try:
+        if created:
+            os.fchown(fd, uid, gid)
+        st = os.fstat(fd)
+        if st.st_uid != uid:
+            raise _refuse(path, f"not a folder owned by {owner(uid)}")
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def make_trusted_dir(path: Path, mode: int) -> Path:
+    """Create ``path`` and the folders missing above it as root's, one by one, in a checked parent; check it."""
+    missing = []
+    p = Path(os.path.abspath(path))
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    check_trusted_dir(p, sticky_ok=bool(missing))
+    for m in reversed(missing[1:]):
+        ensure_dir(m, 0o755, os.geteuid(), os.getegid())
+    ensure_dir(path, mode, os.geteuid(), os.getegid())
+    check_trusted_dir(path)
+    return path
+
+
+def open_file(path: Path, flags: int, mode: int = 0o600) -> int:
+    """``os.open`` that never follows a final link nor blocks on a FIFO, and returns only a regular file's fd."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise _refuse(path, "not a plain file")
+    return fd
+
+
+# ---- processes -------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ProcessInfo:
+    pid: int
+    uid: int
+    pgrp: int
+    session: int
+    start: int  #: clock ticks after boot: with the pid, names one process for the life of the machine
+
+
+def process_info(pid: int) -> ProcessInfo | None:
+    """What ``/proc/PID`` says of a live process (None: gone, or pid not > 1)."""
+    if pid <= 1:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        uid = os.stat(f"/proc/{pid}").st_uid
+        # after the name: state ppid pgrp session ... starttime (field 22 of the whole line)
+        return ProcessInfo(pid=pid, uid=uid, pgrp=int(fields[2]), session=int(fields[3]), start=int(fields[19]))
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _group_running(pgid: int) -> bool:
+    """Does any process of group ``pgid`` still run (not a zombie)?"""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid).encode() and fields[0] != b"Z":
+            return True
+    return False
+
+
+def me() -> dict[str, int]:
+    """This process, as the record the epilog checks before signalling it: ``{"pid", "start"}``."""
+    info = process_info(os.getpid())
+    return {"pid": os.getpid(), "start": info.start if info else -1}
+
+
+def is_our_leader(record: object) -> bool:
+    """Is ``record`` (``{"pid", "start"}``) a live session leader root started and still the same process?"""
+    if not isinstance(record, dict):
+        return False
+    pid, start = record.get("pid"), record.get("start")
+    if type(pid) is not int or type(start) is not int or pid <= 1 or pid == os.getpid():
+        return False
+    info = process_info(pid)
+    return (info is not None and info.start == start and info.uid == os.geteuid()
+            and info.pgrp == pid and info.session == pid)
+
+
+def stop_group(record: object, say: Callable[[str], None], *, grace: float = 5.0) -> bool:
+    """SIGTERM, then after ``grace`` seconds SIGKILL, the process group of the session leader in ``record``.
+
+    Only while :func:`is_our_leader` holds; after SIGTERM the group's pid cannot be reused while any
+    member lives (Linux keeps a pid in use by a group), and the leader is checked again before SIGKILL.
+    """
+    if not is_our_leader(record):
+        say(f"no stager of ours to stop (recorded: {record!r}): nothing signalled")
+        return False
+    assert isinstance(record, dict)
+    pid = int(record["pid"])
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+        say(f"stopped the stager (session {pid}) still running at the end of the job")
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            os.killpg(pid, 0)
+            if not _group_running(pid):  # only zombies left (their parent is gone; init reaps them)
+                return True
+            time.sleep(0.05)
+        leader = process_info(pid)
+        if leader is not None and leader.start != record["start"]:
+            return True  # the pid is another process's now: not ours to kill
+        os.killpg(pid, signal.SIGKILL)
+    return True

@@ -1,0 +1,89 @@
+"""A local source file read as one state of it: the very file the listing named, unchanged while it was read.
+
+A source can change under the stager.  A file rewritten in place during its copy gives a mix of two
+contents, recorded (before this check) with the new mtime, so that every later stage reused it and
+``verify`` agreed with it.  A file swapped after the listing for another file, or for a link (to
+``/etc/shadow``, when root stages a shared dataset a user can write into), would be copied in its
+place.  So the copier opens a file with :func:`open_listed`, which refuses anything but the regular
+file the listing saw (same device and inode: a link planted since leads elsewhere), and takes its
+:func:`identity` (size, mtime, ctime, inode) before and after each read: a change in between means
+the bytes are not one state of the file, and the read is retried, then refused.
+
+``open_listed`` opens with ``O_PATH`` first and checks what it got before reading from it, so a FIFO
+or a device swapped in is never opened for reading (no hang, no side effect).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+
+from ..errors import SourceChangedError
+from .retry import as_source_error, is_transient_os_error
+from .sources import SourceFile
+
+READ_TRIES = 3  #: reads of a file that changed while it was read, before it is refused
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What changes when a file's bytes do (ctime moves with every write, even when mtime is set back)."""
+
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    dev: int
+    ino: int
+
+
+def identity(fd: int) -> Identity:
+    st = os.fstat(fd)
+    return Identity(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev, st.st_ino)
+
+
+def replaced(path: str) -> SourceChangedError:
+    return SourceChangedError(
+        f"{path} is no longer the file that was listed: it was replaced (by another file or a link) since; "
+        "refusing to copy it. Stage again once the source is stable"
+    )
+
+
+def changing(path: str) -> SourceChangedError:
+    return SourceChangedError(f"{path} changed while it was copied ({READ_TRIES} tries); stage again once it is "
+                              "stable")
+
+
+def open_listed(path: str, f: SourceFile) -> tuple[int, Identity]:
+    """Open ``path`` for reading if it is still the regular file ``f`` was listed as; return the fd and identity.
+
+    A transient error of a mounted share (EIO, ESTALE...) is raised as it is, for the caller to retry.
+    """
+    try:
+        pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError as e:
+        if is_transient_os_error(e):
+            raise  # as it is: the caller retries it
+        raise as_source_error(e, path) from e
+    try:
+        st = os.fstat(pfd)
+        if not stat.S_ISREG(st.st_mode) or (f.ino and (st.st_dev, st.st_ino) != (f.dev, f.ino)):
+            raise replaced(path)
+        try:
+            fd = os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_CLOEXEC)  # the same inode, never a new lookup
+        except FileNotFoundError:  # no /proc: open by name, then check it is still the same file
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+        except OSError as e:
+            if is_transient_os_error(e):
+                raise
+            raise as_source_error(e, path) from e
+    finally:
+        os.close(pfd)
+    ident = identity(fd)
+    if (ident.dev, ident.ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise replaced(path)
+    return fd, ident
+
+
+__all__ = ["READ_TRIES", "Identity", "changing", "identity", "open_listed", "replaced"]

@@ -1,0 +1,181 @@
+"""Docs that run: every block of README.md and docs/*.md a user would copy is run here, on real data.
+
+How blocks are found, run and marked, and the table of placeholders (``/nfs/...``, ``s3://bucket``,
+``http://minio:9000``, ``/dev/shm``) and their real counterparts: tests/support/docblocks.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
+
+from tests.support.docblocks import Block, World, all_blocks, chain, inventory_problems, run_chain
+
+BLOCKS = all_blocks()
+RUN = [b for b in BLOCKS if b.runs]
+GPU = [b for b in BLOCKS if b.marker == "gpu"]
+PARSED = [b for b in BLOCKS if b.lang == "toml"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    base = tmp_path_factory.mktemp("docs-world")
+    shm = base / "shm"
+    shm.mkdir()
+    mounted = os.geteuid() == 0
+    if mounted:  # /dev/shm in the docs: a real tmpfs of the module's own
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(shm)], check=True)
+    try:
+        yield World(base, shm).build()
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(shm)], check=False)
+
+
+@pytest.fixture(scope="module")
+def s3_world(world: World) -> Iterator[World]:
+    """The world with the real S3 test server behind http://minio:9000, bucket ``bucket`` filled."""
+    import s3fs
+
+    from tests.support.s3server import S3Server
+
+    server = S3Server().start()
+    try:
+        server.make_bucket("bucket")
+        world.fill_bucket(s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options()))
+        world.use_s3(server.endpoint_url, server.access_key, server.secret_key)
+        yield world
+    finally:
+        server.stop()
+
+
+def _world_for(blocks: list[Block], request: pytest.FixtureRequest) -> World:
+    needs_s3 = any("s3://" in b.code or "minio" in b.code for b in blocks)
+    return request.getfixturevalue("s3_world" if needs_s3 else "world")  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("block", RUN, ids=[b.name for b in RUN])
+def test_doc_block_runs(block: Block, request: pytest.FixtureRequest) -> None:
+    blocks = chain(block, BLOCKS)
+    run_chain(blocks, _world_for(blocks, request))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", GPU, ids=[b.name for b in GPU])
+def test_doc_gpu_block_runs(block: Block, request: pytest.FixtureRequest) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here; benchmarks/gpu_check.sh runs this on a GPU machine")
+    pytest.importorskip("PIL", reason="the world's JPEGs are drawn with Pillow")
+    if "nvidia.dali" in block.code:
+        pytest.importorskip("nvidia.dali", reason="the block uses DALI, which is not installed here")
+    run_chain([block], _world_for([block], request))
+
+
+@pytest.mark.parametrize("block", PARSED, ids=[b.name for b in PARSED])
+def test_doc_config_block_parses(block: Block, tmp_path: Path) -> None:
+    """A TOML block is read as the hooks read it: a spec file (``[[stage]]``) by the spec parser, anything else as the
+    site config, by the site config loader (unknown keys, bad sizes and bad roots fail)."""
+    from stagingloader.slurm import config, request
+
+    data = tomllib.loads(block.code)
+    if "stage" in data:
+        assert request.parse_spec(block.code), block.name
+    else:
+        path = tmp_path / "config.toml"
+        path.write_text(block.code)
+        site = config.load({"STAGINGLOADER_CONFIG": str(path)})
+        assert site.roots and site.log_dir, block.name
+
+
+COMMENTS = [(b, m.group(1)) for b in BLOCKS if b.marker == "cluster"
+            for m in re.finditer(r'--comment\s+"([^"]*)"', b.code)]
+
+
+@pytest.mark.parametrize(("block", "comment"), COMMENTS, ids=[f"{b.name}:{c[:30]}" for b, c in COMMENTS])
+def test_doc_job_comments_parse(block: Block, comment: str) -> None:
+    """The Slurm blocks need a cluster, but the job comments they show are read here as the prolog reads them."""
+    from stagingloader.slurm import request
+
+    requests, spec = request.parse_comment(comment)
+    assert requests or spec, (block.name, comment)
+
+
+def test_every_block_is_run_or_marked_with_a_reason() -> None:
+    problems = [f"{b.name}: {p}" for b in BLOCKS for p in inventory_problems(b)]
+    assert not problems, "\n".join(problems)
+    for b in BLOCKS:
+        assert b.runs or b.marker in ("gpu", "slurm", "cluster", "setup", "long") or b.lang in ("", "text", "toml"), \
+            b.name
+    assert len(RUN) >= 8, [b.name for b in RUN]  # the runner found the docs' blocks
+
+
+def test_docs_name_placeholders_the_runner_maps(world: World) -> None:
+    """A block that names a path under /nfs, /lustre or /local_nvme names a path the world has: a typo in a doc
+    fails here with the path, not deep in a stagingloader error.  (A path whose last part starts with ``missing`` or
+    ``no-such`` is meant not to exist.)"""
+    missing = []
+    for b in RUN + GPU:
+        for m in re.finditer(r"(?<![\w./:-])/(?:nfs|lustre|local_nvme)/[\w./-]*", b.code):
+            path = m.group(0).rstrip(".")
+            if Path(path).name.startswith(("missing", "no-such")):
+                continue
+            with contextlib.suppress(ValueError):
+                if not (world.fs / path.lstrip("/")).exists():
+                    missing.append(f"{b.name}: {path}")
+    assert not missing, missing
+
+
+def _doc(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "doc.md"
+    p.write_text(text)
+    return p
+
+
+def test_runner_fails_a_block_that_lies(tmp_path: Path, world: World) -> None:
+    from tests.support.docblocks import extract
+
+    doc = _doc(tmp_path, "x\n\n```bash\nstagingloader stage /nfs/no/such/folder --root /dev/shm\n```\n\n"
+                         "```python\nimport stagingloader as sl\nassert sl.stage is None\n```\n")
+    bash, python = extract(doc)
+    with pytest.raises(AssertionError, match=r"doc\.md:3-bash failed"):
+        run_chain([bash], world)
+    with pytest.raises(AssertionError, match=r"assert sl\.stage is None"):
+        run_chain([python], world)
+
+
+def test_inventory_catches_unmarked_and_badly_marked_blocks(tmp_path: Path) -> None:
+    from tests.support.docblocks import extract
+
+    doc = _doc(tmp_path, "```console\n$ ls\n```\n\n```\nstagingloader ls\n```\n\n<!-- docs-test: gpu -->\n"
+                         "```python\npass\n```\n\n<!-- docs-test: maybe later -->\n```bash\ntrue\n```\n\n"
+                         "<!-- docs-test: cluster no fence follows -->\ntext\n")
+    found = [p for b in extract(doc) for p in inventory_problems(b)]
+    assert any("'console'" in p for p in found), found
+    assert any("lines a user would type" in p for p in found), found
+    assert any("'gpu' needs a reason" in p for p in found), found
+    assert any("unknown marker kind 'maybe'" in p for p in found), found
+    assert any("not followed by a fence" in p for p in found), found
+
+
+def test_continued_blocks_share_names_and_folder(tmp_path: Path, world: World) -> None:
+    from tests.support.docblocks import extract
+
+    doc = _doc(tmp_path, "```python\nx = 41\nopen('made.txt', 'w').write(str(x))\n```\n\n<!-- docs-test: continues -->"
+                         "\n```python\nassert x + 1 == 42\n```\n\n<!-- docs-test: continues -->\n```bash\n"
+                         "test \"$(cat made.txt)\" = 41\n```\n")
+    blocks = extract(doc)
+    assert [b.marker for b in blocks] == ["", "continues", "continues"]
+    run_chain(chain(blocks[2], blocks), world)

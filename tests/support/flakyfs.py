@@ -1,0 +1,121 @@
+"""A real mounted file system that fails like a busy NFS share: a FUSE passthrough over a folder whose reads
+fail with EIO (or opens with ESTALE) a set number of times per file before they succeed.
+
+Run as a process of its own: ``python -m tests.support.flakyfs SOURCE MOUNTPOINT RULES_JSON``, where the
+rules map a file's relative path (or ``*``) to ``{"errno": "EIO"|"ESTALE", "times": N, "op": "read"|"open"}``.
+``FlakyMount`` starts it, waits until the mount is up, and unmounts it afterwards.  Needs libfuse3
+(Debian's fuse3, installed by ``make test``) and mfusepy.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+
+class _Flaky:
+    """The FUSE operations: pass through to ``source``, failing as the rules say."""
+
+    def __init__(self, source: str, rules: dict[str, dict[str, Any]]) -> None:
+        import mfusepy
+
+        self.mfusepy = mfusepy
+        self.source = source
+        self.rules = rules
+        self.left: dict[tuple[str, str], int] = {}
+        self.lock = threading.Lock()
+
+    def _path(self, path: str) -> str:
+        return os.path.join(self.source, path.lstrip("/"))
+
+    def _maybe_fail(self, path: str, op: str) -> None:
+        rel = path.lstrip("/")
+        rule = self.rules.get(rel) or self.rules.get("*")
+        if not rule or rule.get("op", "read") != op:
+            return
+        with self.lock:
+            left = self.left.setdefault((rel, op), int(rule["times"]))
+            if left == 0:
+                return
+            self.left[(rel, op)] = left - 1 if left > 0 else left  # a negative count fails for ever
+        raise self.mfusepy.FuseOSError(getattr(errno, rule["errno"]))
+
+    def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
+        st = os.lstat(self._path(path))
+        keys = ("st_mode", "st_nlink", "st_uid", "st_gid", "st_size", "st_atime", "st_mtime", "st_ctime")
+        out = {k: getattr(st, k) for k in keys}
+        out.update(st_atime_ns=st.st_atime_ns, st_mtime_ns=st.st_mtime_ns, st_ctime_ns=st.st_ctime_ns)
+        return out
+
+    def readdir(self, path: str, fh: Any) -> list[str]:
+        return [".", "..", *os.listdir(self._path(path))]
+
+    def open(self, path: str, flags: int) -> int:
+        self._maybe_fail(path, "open")
+        return os.open(self._path(path), flags)
+
+    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+        self._maybe_fail(path, "read")
+        return os.pread(fh, size, offset)
+
+    def release(self, path: str, fh: int) -> int:
+        os.close(fh)
+        return 0
+
+    def statfs(self, path: str) -> dict[str, Any]:
+        st = os.statvfs(self._path(path))
+        return {k: getattr(st, k) for k in ("f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail", "f_ffree",
+                                            "f_files", "f_flag", "f_frsize", "f_namemax")}
+
+
+def serve(source: str, mountpoint: str, rules: dict[str, dict[str, Any]]) -> None:
+    import mfusepy
+
+    ops = type("FlakyOps", (_Flaky, mfusepy.Operations), {})(source, rules)
+    # direct_io: every read reaches us (no page cache between the reader and the failure); allow_other: the
+    # attack tests read it as other users too
+    mfusepy.FUSE(ops, mountpoint, foreground=True, nothreads=False, direct_io=True, allow_other=True, ro=True)
+
+
+class FlakyMount:
+    """``with FlakyMount(src, mnt, {"a.bin": {"errno": "EIO", "times": 2}}) as mnt: ...``"""
+
+    def __init__(self, source: Path, mountpoint: Path, rules: dict[str, dict[str, Any]]) -> None:
+        self.source, self.mountpoint, self.rules = source, mountpoint, rules
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Path:
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        repo = Path(__file__).resolve().parents[2]
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.flakyfs", str(self.source),
+                                      str(self.mountpoint), json.dumps(self.rules)], cwd=repo,
+                                     stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 20
+        while not os.path.ismount(self.mountpoint):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                err = self.proc.stderr.read().decode() if self.proc.stderr and self.proc.poll() is not None else ""
+                self.__exit__(None, None, None)
+                raise RuntimeError(f"the FUSE file system did not mount at {self.mountpoint}: {err[-2000:]}")
+            time.sleep(0.05)
+        return self.mountpoint
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        subprocess.run(["umount", "-l", str(self.mountpoint)], check=False, capture_output=True)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
