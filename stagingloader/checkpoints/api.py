@@ -56,7 +56,7 @@ class Checkpoints:
             raise UsageError(f"keep_remote must be None (keep all) or at least 1, not {keep_remote}")
         self.policy = transfer or TransferPolicy()
         self.local = FolderTier(os.fspath(local), fsync=fsync)
-        self.local.root.mkdir(parents=True, exist_ok=True)
+        self.local.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # checkpoints are the job's private data
         self.local.sweep_temp()
         options = dict(storage_options or {})
         self.remote: Tier | None = open_tier(remote, options) if remote else None
