@@ -226,6 +226,9 @@ class World:
         for i in range(3):
             np.save(tensors / f"rows-{i}.npy", rng.standard_normal((256, 1024), dtype=np.float32))
         (self.fs / "local_nvme/scratch").mkdir(parents=True)
+        # checkpoint tiers the docs name (docs/checkpoints.md): the parents a job would have
+        for rel in ("local_nvme/ckpt", "lustre/proj/ckpt/run1", "local_nvme/ckpt/restored"):
+            (self.fs / rel).mkdir(parents=True)
         return self
 
     def use_s3(self, endpoint: str, key: str, secret: str) -> None:
