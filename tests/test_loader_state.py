@@ -14,11 +14,11 @@ import torch.utils.data
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import stagingloader as sl
-
-pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata's own loader, on torch 2.13
 from stagingloader.loader.epoch import StateMismatchError, decode_state, encode_state
 from tests.support.trees import make_tree
 from tests.test_loader_equivalence import same
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata's own loader, on torch 2.13
 
 
 # ---- torchdata's README, "Saving Custom State with Map-Style Datasets" ------------------------------------

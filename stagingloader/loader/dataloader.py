@@ -237,6 +237,9 @@ class DataLoader(StatefulDataLoader[T_co]):
             # persistent workers were our choice; torch's default (none) draws a worker base seed per
             # epoch: draw it here too, so the samplers see the same random stream and order as torch's
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        prev = self._live() if self._live is not None else None
+        if prev is not None:
+            prev.close()  # a new iter() ends the previous one: it stops taking batches from torch's iterator
         self.stats.start_epoch(self.epoch, self.clock)  # before the workers start prefetching
         token = None
         if self.num_workers == 0:

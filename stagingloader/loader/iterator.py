@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stagingloader.loader")
 
+WORKER_DEATH = ("is killed by signal", "exited unexpectedly")  #: how torch reports a worker that died
 OOM_HINT = ("SIGKILL is what the kernel's OOM killer sends: check `dmesg`, then lower num_workers, batch_size "
             "or prefetch_factor")
 
@@ -48,6 +49,7 @@ class _Receiver:
                  depth: int) -> None:
         self.queue: queue.Queue[tuple[str, Any, Any]] = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
+        self._done = done
         self.thread = threading.Thread(target=self._run, args=(pull, state, done, self.queue, self.stop),
                                        name="stagingloader-receive", daemon=True)
         self.thread.start()
@@ -78,8 +80,17 @@ class _Receiver:
     def get(self) -> tuple[str, Any, Any]:
         return self.queue.get()
 
-    def close(self) -> None:
+    def close(self, wait: float = 30.0) -> None:
+        """Stop, and wait for the batch being taken now (so nothing else touches torch's iterator after)."""
         self.stop.set()
+        self._drain()
+        if self.thread is not threading.current_thread() and not self._done():  # (shut down: nothing to wait for)
+            self.thread.join(timeout=wait)
+            if self.thread.is_alive():
+                log.warning("the receiving thread did not stop within %.0fs (a worker is still loading)", wait)
+        self._drain()
+
+    def _drain(self) -> None:
         try:
             while True:
                 _drop(self.queue.get_nowait()[1])
@@ -192,8 +203,10 @@ class LoaderIter:
         except Exception as e:
             dead = self._dead_workers()
             if dead:
-                self._settle()
+                self._bury()
                 raise RuntimeError(dead) from e
+            if isinstance(e, RuntimeError) and any(t in str(e) for t in WORKER_DEATH):
+                self._bury()
             note_oom(e)
             self._annotate(e)
             self._settle()
@@ -255,6 +268,18 @@ class LoaderIter:
             self.loader.stats.end_epoch(self.loader.clock)
             self.loader.epoch += 1
             self._settle()
+
+    def _bury(self) -> None:
+        """A worker died: stop them all now (torch leaves that to the iterator's collection), return their slots,
+        and let the next ``iter(loader)`` start fresh workers."""
+        if self._receiver is not None:
+            self._receiver.stop.set()  # it may be waiting on the dead worker's batch: it stops at its next look
+        shutdown = getattr(self.inner, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        if self.loader._iterator is self.inner:
+            self.loader._iterator = None
+        self._settle()
 
     def _settle(self) -> None:
         """Once torch has shut this iterator's workers down, none of them holds a slot any more."""
