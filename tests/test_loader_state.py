@@ -259,3 +259,11 @@ def test_state_is_plain_json_and_generic_typing(staged: Path) -> None:
     assert isinstance(gen, torch.Tensor) and gen.dtype == torch.uint8
     assert np.array_equal(gen.numpy(), loader.torch_state_dict()["_sampler_iter_state"]["sampler_iter_state"][
         "generator"].numpy())
+
+
+def test_a_tensor_changed_in_place_is_encoded_again() -> None:
+    t = torch.arange(4)
+    before = encode_state({"x": t})
+    t += 1
+    after = encode_state({"x": t})
+    assert decode_state(before)["x"].tolist() == [0, 1, 2, 3] and decode_state(after)["x"].tolist() == [1, 2, 3, 4]

@@ -241,13 +241,21 @@ class BatchSampler(tud.BatchSampler):
 
 
 # ---- states as JSON ---------------------------------------------------------------------------------
+_encoded: list[tuple[torch.Tensor, int, dict[str, Any]]] = []  # the last tensors encoded, with their version
+# (an epoch's generator state is the same, unchanged tensor in every state of the epoch: it is encoded once)
+
+
 def encode_state(obj: Any) -> Any:
     """``obj`` with every tensor replaced by a JSON-safe ``{"__tensor__": base64, "dtype", "shape"}``."""
     if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        raw = t.view(torch.uint8).numpy().tobytes() if t.dim() else t.reshape(1).view(torch.uint8).numpy().tobytes()
-        return {TENSOR_TAG: base64.b64encode(raw).decode("ascii"), "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": list(t.shape)}
+        version = int(obj._version)  # bumped by every in-place change
+        for t, v, enc in _encoded:
+            if t is obj and v == version:
+                return dict(enc)
+        enc = _encode_tensor(obj)
+        _encoded.insert(0, (obj, version, enc))
+        del _encoded[8:]
+        return dict(enc)
     if isinstance(obj, dict):
         return {k: encode_state(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -257,6 +265,13 @@ def encode_state(obj: Any) -> Any:
     if isinstance(obj, np.floating):
         return float(obj)
     return obj
+
+
+def _encode_tensor(obj: torch.Tensor) -> dict[str, Any]:
+    t = obj.detach().cpu().contiguous()
+    raw = t.view(torch.uint8).numpy().tobytes() if t.dim() else t.reshape(1).view(torch.uint8).numpy().tobytes()
+    return {TENSOR_TAG: base64.b64encode(raw).decode("ascii"), "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape)}
 
 
 def decode_state(obj: Any) -> Any:
