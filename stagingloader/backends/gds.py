@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..loader.filetable import FileTable
 from .order import IndexedLoader
 from .select import require_gds
 
@@ -31,8 +32,8 @@ class _Layout:
     """Where sample ``i`` lives, (file, byte offset), from the dataset's public file table; one sample's
     shape and dtype."""
 
-    def __init__(self, dataset: Any) -> None:
-        table = dataset.file_table()
+    def __init__(self, dataset: Any, table: FileTable | None = None) -> None:
+        table = table if table is not None else dataset.file_table()
         if table.shape is None or table.dtype is None:
             what = "a .npy GDS cannot read as is (Fortran order or objects)" if getattr(dataset, "decode", "") == \
                 "npy" else "files of different sizes (GDS reads equal samples)"
@@ -123,7 +124,7 @@ class GdsLoader(IndexedLoader):
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
         how = self._how = require_gds(dataset, self.device)
-        self._layout = _Layout(dataset)
+        self._layout = _Layout(dataset, self.table)
         self._reader: Any = None
         self._lock = threading.Lock()
         self._note(f"GPUDirect Storage via {how}: {len(dataset)} samples of {self._layout.nbytes} bytes read from "

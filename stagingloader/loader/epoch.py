@@ -82,7 +82,9 @@ class _RandomIter:
             drawn = torch.randint(high=n, size=(size,), dtype=torch.int64, generator=self._gen)
         else:
             drawn = torch.randperm(n, generator=self._gen)
-        self._chunk, self._pos = self._chunk[self._pos:] + drawn.tolist()[:take], 0
+        new = drawn[:take].tolist() if take else []  # drawn in full all the same: the generator moves as torch's
+        self._chunk = self._chunk[self._pos:] + new if self._pos < len(self._chunk) else new
+        self._pos = 0
 
     def __next__(self) -> int:
         if self._gen is None:
@@ -94,6 +96,23 @@ class _RandomIter:
         self._pos += 1
         self.yielded += 1
         return self._chunk[self._pos - 1]
+
+    def take(self, k: int) -> list[int]:
+        """The next ``k`` indices (fewer at the end), as ``k`` calls of ``next`` would give them."""
+        if self._gen is None:
+            self._begin()
+        out: list[int] = []
+        while len(out) < k:
+            if self._pos >= len(self._chunk):
+                if self._next_chunk >= len(self._chunks):
+                    break
+                self._draw()
+                continue
+            part = self._chunk[self._pos:self._pos + k - len(out)]
+            self._pos += len(part)
+            out += part
+        self.yielded += len(out)
+        return out
 
     def peek(self, k: int) -> list[int]:
         """The next ``k`` indices, without taking them (draws ahead from the epoch's own generator)."""
@@ -179,7 +198,8 @@ class _BatchIter:
         it = self._sampler_iter()
         if self.readahead is not None:
             self._hint()
-        batch = list(itertools.islice(it, self.batch_size))
+        take = getattr(it, "take", None)
+        batch = take(self.batch_size) if take is not None else list(itertools.islice(it, self.batch_size))
         self.samples_yielded += len(batch)
         if not batch or (self.drop_last and len(batch) < self.batch_size):
             raise StopIteration
