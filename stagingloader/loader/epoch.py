@@ -185,12 +185,17 @@ class _BatchIter:
         self._it: Any = None  # the sampler's iterator, made at the first batch as torch makes it
         self._seq = _is_sequential(self.sampler)
         self._hinted = 0  # batches hinted so far
+        self._global_rng: torch.Tensor | None = None
 
     def __iter__(self) -> _BatchIter:
         return self
 
     def _sampler_iter(self) -> Any:
         if self._it is None:
+            if not self._seq and not isinstance(self.sampler, RandomSampler) and not _stateful(self.sampler):
+                # a sampler without a state of its own may draw from the global RNG (WeightedRandomSampler,
+                # SubsetRandomSampler without generator=): keep the RNG it starts from, to draw the same again
+                self._global_rng = torch.get_rng_state()
             self._it = iter(range(len(self.sampler))) if self._seq else iter(self.sampler)
         return self._it
 
@@ -231,6 +236,8 @@ class _BatchIter:
             sd["sampler_state"] = self.sampler.state_dict()
         if not self._seq and _stateful(self._sampler_iter()):
             sd["sampler_iter_state"] = self._it.state_dict()
+        if self._global_rng is not None:
+            sd["global_rng_state"] = self._global_rng  # stagingloader's: torchdata's loader ignores the key
         return sd
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -238,6 +245,8 @@ class _BatchIter:
         if "sampler_state" in state and _stateful(self.sampler):
             self.sampler.load_state_dict(state["sampler_state"])
         self._it = None
+        if state.get("global_rng_state") is not None and not _stateful(self.sampler):
+            torch.set_rng_state(decode_state(state["global_rng_state"]))
         it = self._sampler_iter()
         if self._seq:
             self._it = iter(range(self.samples_yielded, len(self.sampler)))
