@@ -25,11 +25,12 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.utils.data as tud
 from torchdata.stateful_dataloader import StatefulDataLoader
+from typing_extensions import TypeVar
 
 from .collate import TimedCollate
 from .context import LoaderContext, WorkerInit
@@ -40,7 +41,7 @@ from .slots import SlotPool
 from .stats import GpuSampler, LoaderStats, WorkerClock
 
 log = logging.getLogger("stagingloader.loader")
-T_co = TypeVar("T_co", covariant=True)
+T_co = TypeVar("T_co", covariant=True, default=Any)  # DataLoader(ds) is a DataLoader[Any]
 STATE_KEY = "_stagingloader"  #: the loader's own part of a state (its epoch counter); torchdata ignores it
 
 

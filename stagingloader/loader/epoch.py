@@ -167,6 +167,22 @@ def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
+def generators(obj: Any, seen: set[int] | None = None) -> list[torch.Generator]:
+    """Every torch.Generator a sampler draws from (its own, its inner samplers')."""
+    seen = seen if seen is not None else set()
+    out: list[torch.Generator] = []
+    if obj is None or id(obj) in seen:
+        return out
+    seen.add(id(obj))
+    for name in ("generator", "sampler", "batch_sampler"):
+        v = getattr(obj, name, None)
+        if isinstance(v, torch.Generator):
+            out.append(v)
+        elif v is not None and not isinstance(v, (int, float, str, bool)):
+            out += generators(v, seen)
+    return out
+
+
 class ReadAhead:
     """Where a :class:`BatchSampler` sends the indices of the batches ``depth`` ahead."""
 
@@ -185,7 +201,7 @@ class _BatchIter:
         self._it: Any = None  # the sampler's iterator, made at the first batch as torch makes it
         self._seq = _is_sequential(self.sampler)
         self._hinted = 0  # batches hinted so far
-        self._global_rng: torch.Tensor | None = None
+        self._rng: dict[str, Any] | None = None
 
     def __iter__(self) -> _BatchIter:
         return self
@@ -193,9 +209,10 @@ class _BatchIter:
     def _sampler_iter(self) -> Any:
         if self._it is None:
             if not self._seq and not isinstance(self.sampler, RandomSampler) and not _stateful(self.sampler):
-                # a sampler without a state of its own may draw from the global RNG (WeightedRandomSampler,
-                # SubsetRandomSampler without generator=): keep the RNG it starts from, to draw the same again
-                self._global_rng = torch.get_rng_state()
+                # a sampler without a state of its own draws from its generator or the global RNG
+                # (WeightedRandomSampler, SubsetRandomSampler...): keep what it starts from, to draw the same again
+                self._rng = {"global": torch.get_rng_state(),
+                             "generators": [g.get_state() for g in generators(self.sampler)]}
             self._it = iter(range(len(self.sampler))) if self._seq else iter(self.sampler)
         return self._it
 
@@ -236,8 +253,8 @@ class _BatchIter:
             sd["sampler_state"] = self.sampler.state_dict()
         if not self._seq and _stateful(self._sampler_iter()):
             sd["sampler_iter_state"] = self._it.state_dict()
-        if self._global_rng is not None:
-            sd["global_rng_state"] = self._global_rng  # stagingloader's: torchdata's loader ignores the key
+        if self._rng is not None:
+            sd["rng_state"] = self._rng  # stagingloader's: torchdata's loader ignores the key
         return sd
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -245,8 +262,14 @@ class _BatchIter:
         if "sampler_state" in state and _stateful(self.sampler):
             self.sampler.load_state_dict(state["sampler_state"])
         self._it = None
-        if state.get("global_rng_state") is not None and not _stateful(self.sampler):
-            torch.set_rng_state(decode_state(state["global_rng_state"]))
+        rng = state.get("rng_state")
+        if rng is not None and not _stateful(self.sampler):
+            rng = decode_state(rng)
+            gens = generators(self.sampler)
+            if len(gens) == len(rng["generators"]):
+                torch.set_rng_state(rng["global"])
+                for g, st in zip(gens, rng["generators"]):
+                    g.set_state(st)
         it = self._sampler_iter()
         if self._seq:
             self._it = iter(range(self.samples_yielded, len(self.sampler)))

@@ -195,8 +195,10 @@ class LoaderIter:
         if self._done:
             raise StopIteration
         t0 = time.perf_counter()
-        try:
+        try:  # all of it: torch's SIGCHLD handler raises a worker's death wherever the main thread is
             batch = self._next()
+            self.loader.stats.record(time.perf_counter() - t0, batch_len(batch), batch_nbytes(batch))
+            return batch
         except StopIteration:
             self._end()
             raise
@@ -211,9 +213,6 @@ class LoaderIter:
             self._annotate(e)
             self._settle()
             raise
-        waited = time.perf_counter() - t0
-        self.loader.stats.record(waited, batch_len(batch), batch_nbytes(batch))
-        return batch
 
     def _next(self) -> Any:
         if self.loader.device is None:

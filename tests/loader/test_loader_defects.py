@@ -18,8 +18,8 @@ from torch.utils.data import Dataset, IterableDataset
 
 import stagingloader as sl
 from stagingloader.loader.stats import RECENT_WAITS, LoaderStats, nvml_handle
+from tests.loader.test_loader_equivalence import same
 from tests.support.trees import make_tree
-from tests.test_loader_equivalence import same
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import stagingloader as sl
 from stagingloader.loader.epoch import StateMismatchError, decode_state, encode_state
+from tests.loader.test_loader_equivalence import _build, _epochs, configs, same
 from tests.support.trees import make_tree
-from tests.test_loader_equivalence import _build, _epochs, configs, same
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata's own loader, on torch 2.13
 
@@ -278,8 +278,9 @@ def test_resume_anywhere_gives_the_uninterrupted_batches(cfg: dict[str, Any], cu
     """Every sampler, batch size, drop_last, dataset kind of the equivalence harness: cut an epoch anywhere,
     resume from the JSON state in a fresh loader, and the batches are those of the uninterrupted run."""
     assume(cfg["kind"] != "random")  # it draws from the process's global RNG, which no loader state holds
-    # nor do samplers that draw from it and are not the loader's batch sampler's (torchdata replays them as is)
-    assume(cfg["generator"] or cfg["sampler"] not in ("subset", "weighted", "batch") or
+    # samplers that draw from a generator or the global RNG without a state of their own get it back under the
+    # loader's batch sampler; given alone (batch_size=None) or as batch_sampler=, torchdata replays them as they are
+    assume(cfg["sampler"] not in ("subset", "weighted", "batch") or
            (cfg["batch_size"] is not None and cfg["sampler"] != "batch"))
     if cfg["sampler"] == "batch" and cfg["batch_size"] is None:
         cfg["batch_size"] = 2
