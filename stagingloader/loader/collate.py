@@ -59,6 +59,7 @@ class TimedCollate:
 
     def __init__(self, fn: Callable[[Any], Any] | None, clock: WorkerClock | None, measure_fetch: bool,
                  auto_collation: bool = True) -> None:
+        self.user_fn = fn  #: the collate_fn the user gave (None: torch's default)
         if fn is None:  # torch's defaults: collate batches, convert single samples
             fn = default_collate if auto_collation else default_convert
         self.fn = fast_collate if fn is default_collate else fn

@@ -139,6 +139,11 @@ class DataLoader(StatefulDataLoader[T_co]):
         if backend_options:
             name = next(iter(backend_options))
             raise TypeError(f"DataLoader.__init__() got an unexpected keyword argument {name!r}")
+        # a loader rebuilt from another's attributes (as Lightning does) gets the user's functions, not our wrappers
+        if isinstance(collate_fn, TimedCollate):
+            collate_fn = collate_fn.user_fn
+        if isinstance(worker_init_fn, WorkerInit):
+            worker_init_fn = worker_init_fn.user_fn
         from .datasets import StagedArrays, StagedFiles
 
         dev = resolve_device(device)

@@ -290,3 +290,19 @@ def test_file_table_says_where_every_sample_is(ragged: Path, tmp_path: Path) -> 
         path, offset, length = t.where(i)
         assert Path(path).read_bytes()[offset:offset + length] == rows[i].tobytes()
     assert same(next(iter(sl.DataLoader(arrays, batch_size=15))), torch.from_numpy(rows))
+
+
+def test_a_loader_rebuilt_from_anothers_attributes_gets_the_users_functions(files: Path) -> None:
+    """Lightning re-creates a DataLoader subclass from the attributes named like its arguments."""
+    seen: list[int] = []
+
+    def init(worker_id: int) -> None:
+        seen.append(worker_id)
+
+    first = sl.DataLoader(sl.StagedFiles(files), batch_size=8, num_workers=2, worker_init_fn=init, collate_fn=list)
+    again = sl.DataLoader(first.dataset, batch_size=first.batch_size, num_workers=first.num_workers,
+                          worker_init_fn=first.worker_init_fn, collate_fn=first.collate_fn)
+    assert again.worker_init_fn.user_fn is init and again.collate_fn.user_fn is list
+    batch = next(iter(again))
+    assert isinstance(batch, list) and len(batch) == 8
+    assert again.stats.current is not None and again.stats.current.batches == 1
