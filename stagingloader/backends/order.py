@@ -23,7 +23,7 @@ import torch.utils.data as tud
 
 from ..errors import UsageError
 from ..loader.dataloader import STATE_KEY, DataLoader, resolve_device
-from ..loader.epoch import encode_state, node_sampler, pass_epoch
+from ..loader.epoch import StateEncoder, node_sampler, pass_epoch
 from ..loader.filetable import FileTable
 from ..loader.stats import GpuSampler, LoaderStats, batch_len, batch_nbytes
 
@@ -124,6 +124,7 @@ class IndexedLoader(abc.ABC):
         self.stats.backend = self.backend
         self.epoch = 0
         self._state: Any = None  # the order's state after the last batch the loop got (None: ask the order)
+        self._encoder = StateEncoder()
         self.table: FileTable = dataset.file_table()  #: where each sample is (public: the datasets' file table)
 
     # ---- what a backend provides -------------------------------------------------------------
@@ -155,7 +156,7 @@ class IndexedLoader(abc.ABC):
     def state_dict(self) -> dict[str, Any]:
         """torchdata's state of the order (as the torch path saves it with no workers), as JSON-safe values."""
         state = self._state if self._state is not None else self._order.torch_state_dict()
-        out: dict[str, Any] = encode_state(state)
+        out: dict[str, Any] = self._encoder.encode(state)
         out[STATE_KEY] = {"epoch": self.epoch, "backend": self.backend}
         return out
 

@@ -34,7 +34,7 @@ from typing_extensions import TypeVar
 
 from .collate import TimedCollate
 from .context import LoaderContext, WorkerInit
-from .epoch import BatchSampler, RandomSampler, ReadAhead, check_workers, decode_state, encode_state, node_sampler
+from .epoch import BatchSampler, RandomSampler, ReadAhead, StateEncoder, check_workers, decode_state, node_sampler
 from .epoch import pass_epoch as pass_epoch
 from .iterator import LoaderIter, note_oom
 from .slots import SlotPool
@@ -191,6 +191,7 @@ class DataLoader(StatefulDataLoader[T_co]):
         if self._hinter is not None and isinstance(self.batch_sampler, BatchSampler):
             self.batch_sampler.readahead = ReadAhead(self._hinter.submit, self.readahead)
         self._live: weakref.ref[LoaderIter] | None = None
+        self._encoder = StateEncoder()
 
     def _delegate(self, backend: str, dataset: Any, *args: Any, **kwargs: Any) -> None:
         """Build the backend's loader and take its attributes, so this object answers as it does."""
@@ -274,7 +275,7 @@ class DataLoader(StatefulDataLoader[T_co]):
         """torchdata's state of the loader as the loop sees it (batches yielded so far), as JSON-safe values."""
         if self.backend_loader is not None:
             return self.backend_loader.state_dict()  # type: ignore[no-any-return]
-        out: dict[str, Any] = encode_state(self.torch_state_dict())
+        out: dict[str, Any] = self._encoder.encode(self.torch_state_dict())
         out[STATE_KEY] = {"epoch": self.epoch}
         return out
 

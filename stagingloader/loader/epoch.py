@@ -293,30 +293,37 @@ class BatchSampler(tud.BatchSampler):
 
 
 # ---- states as JSON ---------------------------------------------------------------------------------
-_encoded: list[tuple[torch.Tensor, int, dict[str, Any]]] = []  # the last tensors encoded, with their version
-# (an epoch's generator state is the same, unchanged tensor in every state of the epoch: it is encoded once)
+class StateEncoder:
+    """:func:`encode_state` that encodes a tensor it has seen unchanged only once (an epoch's generator state is
+    the same tensor in every state of that epoch); a loader keeps one, so ``state_dict()`` every step stays cheap."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self._keep = keep
+        self._seen: list[tuple[torch.Tensor, int, dict[str, Any]]] = []  # tensor, its version, its encoding
+
+    def encode(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            version = int(obj._version)  # bumped by every in-place change
+            for t, v, enc in self._seen:
+                if t is obj and v == version:
+                    return dict(enc)
+            enc = _encode_tensor(obj)
+            self._seen = [(obj, version, enc), *self._seen[:self._keep - 1]]
+            return dict(enc)
+        if isinstance(obj, dict):
+            return {k: self.encode(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [self.encode(v) for v in obj]
+        if isinstance(obj, np.integer):
+            return int(obj)
+        if isinstance(obj, np.floating):
+            return float(obj)
+        return obj
 
 
 def encode_state(obj: Any) -> Any:
     """``obj`` with every tensor replaced by a JSON-safe ``{"__tensor__": base64, "dtype", "shape"}``."""
-    if isinstance(obj, torch.Tensor):
-        version = int(obj._version)  # bumped by every in-place change
-        for t, v, enc in _encoded:
-            if t is obj and v == version:
-                return dict(enc)
-        enc = _encode_tensor(obj)
-        _encoded.insert(0, (obj, version, enc))
-        del _encoded[8:]
-        return dict(enc)
-    if isinstance(obj, dict):
-        return {k: encode_state(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [encode_state(v) for v in obj]
-    if isinstance(obj, np.integer):
-        return int(obj)
-    if isinstance(obj, np.floating):
-        return float(obj)
-    return obj
+    return StateEncoder().encode(obj)
 
 
 def _encode_tensor(obj: torch.Tensor) -> dict[str, Any]:
