@@ -4,6 +4,7 @@
     python benchmarks/bench_loader.py --quick         # a smaller grid, a minute or so
     python benchmarks/bench_loader.py --peers         # also mosaicml-streaming and litdata, if installed
     python benchmarks/bench_loader.py --stall         # the simulated training step (stall fraction)
+    python benchmarks/bench_loader.py --state         # state_dict() per step and resume at 90 % of 1,000,000
 
 Both loaders run the same dataset logic: one sample per 100 KiB file read as bytes -> uint8
 tensor + label (torch: a plain ``__getitem__``; stagingloader: ``StagedFiles``, which also
@@ -145,11 +146,11 @@ def bench_stall(ds: Any, batch: int, workers: int, seconds: float) -> dict[str, 
             break
     del it
     e = loader.stats.current or loader.stats.epochs[-1]
-    waits = e.waits[1:]  # the first batch waits for the workers to start
-    stall = sum(waits) / max(e.wall_s if e.wall_s else time.perf_counter() - loader.stats._t_start, 1e-9)
+    waited = e.wait_s - e.first_batch_s  # the first batch waits for the workers to start
+    stall = waited / max(e.wall_s if e.wall_s else time.perf_counter() - loader.stats._t_start, 1e-9)
     row = {"batch": batch, "workers": workers, "capacity_batches_per_s": cap, "step_s": step,
-           "stall_fraction": stall, "wait_p50_ms": 1e3 * float(np.median(waits)),
-           "wait_p99_ms": 1e3 * float(np.percentile(waits, 99))}
+           "stall_fraction": stall, "wait_p50_ms": 1e3 * e.histogram.quantile(0.5),
+           "wait_p99_ms": 1e3 * e.histogram.quantile(0.99)}
     print(f"stall: batch {batch} workers {workers}: capacity {cap:.1f} batches/s, step {1e3 * step:.1f} ms "
           f"(1.2x slower) -> stall {100 * stall:.2f}% (p50 {row['wait_p50_ms']:.2f} ms, "
           f"p99 {row['wait_p99_ms']:.2f} ms)", flush=True)
@@ -186,6 +187,80 @@ def bench_rss(n: int) -> dict[str, Any]:
     return row
 
 
+def _state_cost(cls: Any, ds: Any, workers: int, steps: int) -> float:
+    """Mean seconds of one ``state_dict()`` call, taken after every batch (snapshot_every_n_steps=1)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loader = cls(ds, batch_size=64, shuffle=True, num_workers=workers, snapshot_every_n_steps=1,
+                     generator=torch.Generator().manual_seed(0), **({"persistent_workers": False} if workers else {}))
+    spent = 0.0
+    it = iter(loader)
+    for _k, _batch in zip(range(steps), it):
+        t0 = time.perf_counter()
+        loader.state_dict()
+        spent += time.perf_counter() - t0
+    del it
+    return spent / steps
+
+
+def _resume_first_batch(make: Any, state: Any) -> float:
+    """Seconds from a new loader to its first batch, loading ``state``."""
+    t0 = time.perf_counter()
+    loader = make()
+    loader.load_state_dict(state)
+    next(iter(loader))
+    return time.perf_counter() - t0
+
+
+def bench_state(base: Path) -> list[dict[str, Any]]:
+    """state_dict() per call, stagingloader against torchdata's StatefulDataLoader in the same run; and the
+    time to the first batch resuming at 90 % of a 1,000,000-sample epoch (against replaying the epoch)."""
+    import warnings
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    rows = base / "state-rows.npy"
+    if not rows.exists() or np.load(rows, mmap_mode="r").shape[0] != 1_000_000:
+        rows.parent.mkdir(parents=True, exist_ok=True)
+        np.save(rows, np.arange(16_000_000, dtype=np.float32).reshape(1_000_000, 16))
+    out: list[dict[str, Any]] = []
+    small = sl.StagedArrays([make_rows(base / "rows.npy", 4000)])
+    for workers in (0, 2):
+        theirs = _state_cost(StatefulDataLoader, TorchRows(base / "rows.npy"), workers, 300)
+        ours = _state_cost(sl.DataLoader, small, workers, 300)
+        row = {"bench": "state_dict", "workers": workers, "torchdata_us": 1e6 * theirs, "stagingloader_us": 1e6 * ours}
+        print(f"state_dict() per call, {workers} workers: torchdata {row['torchdata_us']:.1f} us, stagingloader "
+              f"{row['stagingloader_us']:.1f} us (JSON-safe; x{ours / theirs:.2f})", flush=True)
+        out.append(row)
+    big = sl.StagedArrays([rows])
+    n_batches = (1_000_000 + 255) // 256
+    at = int(0.9 * n_batches)
+    for label, cls, ds in (("stagingloader", sl.DataLoader, big), ("torchdata", StatefulDataLoader, TorchRows(rows))):
+        def make(cls: Any = cls, ds: Any = ds) -> Any:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return cls(ds, batch_size=256, shuffle=True, generator=torch.Generator().manual_seed(1))
+
+        loader = make()
+        it = iter(loader)
+        t0 = time.perf_counter()
+        for _ in range(at):
+            next(it)
+        epoch_part = time.perf_counter() - t0
+        state = loader.state_dict()
+        del it, loader
+        resume = min(_resume_first_batch(make, state) for _ in range(3))
+        row = {"bench": "resume", "loader": label, "batches_skipped": at, "resume_first_batch_s": resume,
+               "replay_s": epoch_part}
+        print(f"resume at batch {at:,} of {n_batches:,} (1,000,000 samples, batch 256), {label}: first batch after "
+              f"{resume:.3f} s; reading those {at:,} batches again took {epoch_part:.2f} s "
+              f"({epoch_part / resume:.0f}x longer)", flush=True)
+        out.append(row)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -195,7 +270,14 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=6.0, help="time limit per run")
     p.add_argument("--stall", action="store_true", help="only the simulated-training-step stall benchmark")
     p.add_argument("--rss", type=int, metavar="N", help="only worker memory over an epoch of N samples")
+    p.add_argument("--state", action="store_true", help="only the cost of state_dict() and of resuming")
     args = p.parse_args()
+    if args.state:
+        torch.set_num_threads(1)
+        rows_state = bench_state(Path("/dev/shm/stagingloader-bench"))
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows_state, indent=1))
+        return
     if args.rss:
         row = bench_rss(args.rss)
         if args.out:

@@ -97,11 +97,6 @@ def test_the_cache_never_imports_the_pipeline() -> None:
     assert bad == []
 
 
-#: the loader-backends seam, rebuilt by the loader's issue ("The loader, drop-in for torchdata's StatefulDataLoader
-#: too"); until then these six names are the only private imports left, and no new one may join them
-LOADER_SEAM = {"_RngState", "_node_sampler", "_batch_size", "_nbytes", "_resolve", "_LoaderIter"}
-
-
 def test_no_module_imports_another_modules_private_names() -> None:
     bad = []
     for path in _modules():
@@ -109,8 +104,6 @@ def test_no_module_imports_another_modules_private_names() -> None:
             if not mod.startswith("stagingloader"):
                 continue
             private = [n for n in names if n.startswith("_") and not n.startswith("__")]
-            if _room(path) in ("backends", "loader") and mod.startswith("stagingloader.loader"):
-                private = [n for n in private if n not in LOADER_SEAM]
             if private or any(part.startswith("_") and not part.startswith("__") for part in mod.split(".")):
                 bad.append(f"{_rel(path)}: from {mod} import {', '.join(private) or '...'}")
     assert bad == []

@@ -17,7 +17,7 @@ order as ``torch.utils.data.DataLoader`` for the same seed, sharded or not.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -74,7 +74,7 @@ class DALILoader(IndexedLoader):
                              "transform, and pass DALI operators as process= instead")
         super().__init__(dataset, *args, **kwargs)
         self._npy = dataset.decode == "npy"
-        sizes = dataset._sizes
+        sizes = self.table.sizes
         self.ragged = bool(ragged) if ragged is not None else bool(process is None and len(set(sizes.tolist())) > 1)
         self.process = process
         cuda = self.device is not None and self.device.type == "cuda"
@@ -113,8 +113,7 @@ class DALILoader(IndexedLoader):
     def _build(self, order: np.ndarray, seed: int) -> Any:
         from nvidia.dali import fn, pipeline
 
-        ds = self.dataset
-        files = [ds.path(int(i)).decode("utf-8", "surrogateescape") for i in order]
+        files = [self.table.paths[int(self.table.file[i])] for i in order]
         threads = max(1, self.num_workers or min(4, os.cpu_count() or 1))
         pipe = pipeline.Pipeline(batch_size=self.batch_size, num_threads=threads, device_id=self._device_id,
                                  prefetch_queue_depth=self.prefetch_factor or 2, seed=seed)
@@ -142,7 +141,8 @@ class DALILoader(IndexedLoader):
                                       output_types=[DALIRaggedIterator.SPARSE_LIST_TAG] * n_outputs)
         return DALIGenericIterator([pipe], names, reader_name=READER, last_batch_policy=LastBatchPolicy.PARTIAL)
 
-    def _read(self, batches: list[np.ndarray]) -> Iterator[Any]:
+    def _read(self, indices: Iterable[np.ndarray]) -> Iterator[Any]:
+        batches = list(indices)  # DALI's reader takes the epoch's whole file list
         if not batches:
             return
         order = np.concatenate(batches)
@@ -190,8 +190,9 @@ class DALILoader(IndexedLoader):
 
 
 def _files_of(staged: Any, labels: bool) -> Any:
-    from ..loader.datasets import StagedFiles, _resolve
+    from ..loader.datasets import StagedFiles
 
-    _root, rels, _sizes = _resolve(staged)
-    npy = bool(rels) and all(r.endswith(".npy") for r in rels)
-    return StagedFiles(staged, decode="npy" if npy else "array", labels=labels)
+    files = StagedFiles(staged, labels=labels)
+    if all(files.relpath(i).endswith(".npy") for i in range(len(files))):
+        files = StagedFiles(staged, decode="npy", labels=labels)
+    return files

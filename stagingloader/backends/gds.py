@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..loader.filetable import FileTable
 from .order import IndexedLoader
 from .select import require_gds
 
@@ -28,47 +29,31 @@ OPEN_FILES = 64  # cuFile handles kept open (registering one costs a syscall and
 
 
 class _Layout:
-    """Where sample ``i`` lives: (file, byte offset), and the shape and dtype of one sample."""
+    """Where sample ``i`` lives, (file, byte offset), from the dataset's public file table; one sample's
+    shape and dtype."""
 
-    def __init__(self, dataset: Any) -> None:
-        from ..loader.datasets import StagedArrays
-
-        if isinstance(dataset, StagedArrays):
-            maps = [np.load(p, mmap_mode="r") for p in dataset.paths]
-            self.paths = list(dataset.paths)
-            self.shape, self.dtype = tuple(dataset.row_shape), np.dtype(dataset.dtype)
-            self._starts = dataset._starts
-            self._offsets = np.asarray([m.offset for m in maps], dtype=np.int64)
-            self._rows = True
-        else:
-            self.paths = [dataset.path(i).decode("utf-8", "surrogateescape") for i in range(len(dataset))]
-            self._rows = False
-            if dataset.decode == "npy":
-                head = dataset._npy_head(0)
-                if head is None:
-                    raise UsageError(f"{self.paths[0]}: a .npy GDS cannot read as is (Fortran order or objects)")
-                self.shape, self.dtype = head.shape, np.dtype(head.dtype)
-                self._header = head.header
-                self._offsets = np.full(len(dataset), len(head.header), dtype=np.int64)
-                self._checked = np.zeros(len(dataset), dtype=bool)
-            else:
-                self.shape, self.dtype = (int(dataset._sizes[0]),), np.dtype(np.uint8)
-                self._header = b""
-                self._offsets = np.zeros(len(dataset), dtype=np.int64)
-                self._checked = np.ones(len(dataset), dtype=bool)
+    def __init__(self, dataset: Any, table: FileTable | None = None) -> None:
+        table = table if table is not None else dataset.file_table()
+        if table.shape is None or table.dtype is None:
+            what = "a .npy GDS cannot read as is (Fortran order or objects)" if getattr(dataset, "decode", "") == \
+                "npy" else "files of different sizes (GDS reads equal samples)"
+            raise UsageError(f"{table.paths[0] if table.paths else dataset}: {what}")
+        self.table = table
+        self.paths = table.paths
+        self.shape, self.dtype = table.shape, np.dtype(table.dtype)
+        self._header = table.header or b""
+        self._checked = np.full(len(table), not self._header, dtype=bool)
         self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
 
     def where(self, i: int) -> tuple[str, int]:
-        if self._rows:
-            f = int(np.searchsorted(self._starts, i, side="right")) - 1
-            return self.paths[f], int(self._offsets[f]) + (i - int(self._starts[f])) * self.nbytes
+        path, offset, _length = self.table.where(i)
         if not self._checked[i]:  # every .npy of the batch must carry the first one's header
-            with open(self.paths[i], "rb") as fh:
+            with open(path, "rb") as fh:
                 if fh.read(len(self._header)) != self._header:
-                    raise UsageError(f"{self.paths[i]}: its array differs in shape or dtype from the first file's "
+                    raise UsageError(f"{path}: its array differs in shape or dtype from the first file's "
                                      f"{self.shape} {self.dtype}; GDS reads equal arrays only (use backend='torch')")
             self._checked[i] = True
-        return self.paths[i], int(self._offsets[i])
+        return path, offset
 
 
 class _KvikioReader:
@@ -139,7 +124,7 @@ class GdsLoader(IndexedLoader):
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
         how = self._how = require_gds(dataset, self.device)
-        self._layout = _Layout(dataset)
+        self._layout = _Layout(dataset, self.table)
         self._reader: Any = None
         self._lock = threading.Lock()
         self._note(f"GPUDirect Storage via {how}: {len(dataset)} samples of {self._layout.nbytes} bytes read from "
@@ -158,15 +143,17 @@ class GdsLoader(IndexedLoader):
             torch.cuda.current_stream(self.device).synchronize()
         return out if labels is None else [out, labels]
 
-    def _read(self, batches: list[np.ndarray]) -> Iterator[Any]:
-        if not batches:
+    def _read(self, batches: Iterable[np.ndarray]) -> Iterator[Any]:
+        it = iter(batches)
+        first = next(it, None)
+        if first is None:
             return
         with ThreadPoolExecutor(1, thread_name_prefix="stagingloader-gds") as pool:
-            ahead: Future[Any] = pool.submit(self._load, batches[0])
-            for k in range(len(batches)):
+            ahead: Future[Any] | None = pool.submit(self._load, first)
+            while ahead is not None:
                 current = ahead
-                if k + 1 < len(batches):
-                    ahead = pool.submit(self._load, batches[k + 1])
+                nxt = next(it, None)
+                ahead = pool.submit(self._load, nxt) if nxt is not None else None
                 yield current.result()
 
     def close(self) -> None:

@@ -1,9 +1,11 @@
 """The part every non-torch backend shares: torch's order of samples, epochs, stats and resume.
 
-The order is not re-implemented: a torch ``DataLoader`` over the indices themselves, built with
-the user's ``shuffle``/``sampler``/``drop_last``/``generator``, yields each epoch's batches of
-indices and draws from the random generators exactly as the torch path does.  A backend then
-only has to read those batches (:meth:`IndexedLoader._read`).
+The order is not re-implemented: a ``stagingloader.DataLoader`` over the indices themselves, built
+with the user's ``shuffle``/``sampler``/``drop_last``/``generator``, yields each epoch's batches of
+indices and draws from the random generators exactly as the torch path does, and its state is
+the backend's state: torchdata's protocol, the same format as the torch path's with no workers,
+so a backend resumes by jumping to the position (no sample is read twice).  A backend then only
+has to read those batches (:meth:`IndexedLoader._read`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import abc
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,9 +22,10 @@ import torch
 import torch.utils.data as tud
 
 from ..errors import UsageError
-from ..loader.dataloader import _node_sampler, _RngState, pass_epoch, resolve_device, saved_batches
-from ..loader.iterator import _batch_size, _nbytes
-from ..loader.stats import GpuSampler, LoaderStats
+from ..loader.dataloader import STATE_KEY, DataLoader, resolve_device
+from ..loader.epoch import StateEncoder, node_sampler, pass_epoch
+from ..loader.filetable import FileTable
+from ..loader.stats import GpuSampler, LoaderStats, batch_len, batch_nbytes
 
 log = logging.getLogger("stagingloader.loader")
 
@@ -77,10 +81,11 @@ class IndexedLoader(abc.ABC):
                  drop_last: bool = False, timeout: float = 0, worker_init_fn: Any = None,
                  multiprocessing_context: Any = None, generator: Any = None, *, prefetch_factor: int | None = None,
                  persistent_workers: bool | None = None, pin_memory_device: str = "", in_order: bool = True,
-                 device: str | torch.device | None = None, readahead: int = 2, stats: bool = True,
-                 shard: str | None = None, backend: str | None = None, rank: int | None = None,
-                 world_size: int | None = None, seed: int = 0) -> None:
+                 snapshot_every_n_steps: int | None = 1, device: str | torch.device | None = None,
+                 readahead: int = 2, stats: bool = True, shard: str | None = None, backend: str | None = None,
+                 rank: int | None = None, world_size: int | None = None, seed: int = 0) -> None:
         del pin_memory, multiprocessing_context, persistent_workers, pin_memory_device, readahead, backend
+        del snapshot_every_n_steps  # the state is kept for every batch: the index order costs nothing to save
         name = type(self).__name__
         for arg, value, why in (
                 ("batch_sampler", batch_sampler, "batches are fixed-size (batch_size=, drop_last=); pass sampler="),
@@ -96,7 +101,8 @@ class IndexedLoader(abc.ABC):
         if batch_size is None or int(batch_size) < 1:
             raise UsageError(f"{name} needs batch_size >= 1, not {batch_size!r}")
         if shard is not None:
-            sampler, shuffle = _node_sampler(dataset, shard, sampler, None, shuffle, generator)
+            sampler, shuffle = node_sampler(dataset, shard=shard, sampler=sampler, batch_sampler=None,
+                                            shuffle=shuffle, generator=generator)
         if rank is not None or world_size is not None:
             sampler, shuffle = _rank_sampler(dataset, rank, world_size, sampler, shuffle, seed)
         self.dataset = dataset
@@ -105,9 +111,11 @@ class IndexedLoader(abc.ABC):
         self.generator = generator
         self.num_workers = max(0, int(num_workers))
         self.prefetch_factor = prefetch_factor
-        self._order = tud.DataLoader(_Indices(len(dataset)), batch_size=self.batch_size, shuffle=shuffle,
-                                     sampler=sampler, drop_last=drop_last, generator=generator,
-                                     collate_fn=_as_array)
+        self._order: DataLoader[Any] = DataLoader(_Indices(len(dataset)), batch_size=self.batch_size,
+                                                  shuffle=shuffle, sampler=sampler, drop_last=drop_last,
+                                                  generator=generator, collate_fn=_as_array, backend="torch",
+                                                  stats=False, readahead=0)
+        self._order.stats.quiet = True
         self.sampler = self._order.sampler
         self.batch_sampler = self._order.batch_sampler
         self.device = resolve_device(device)
@@ -115,25 +123,20 @@ class IndexedLoader(abc.ABC):
         self.stats = LoaderStats("", GpuSampler(gpu) if stats else None)
         self.stats.backend = self.backend
         self.epoch = 0
-        self._skip = 0
-        self._resume_rng: Any = None
-        self._pre_rng: Any = None
-        self._iterating = False
-        self._yielded = 0
-        # labels, as torch's default collation gives them: StagedFiles(labels=True), StagedArrays(labels=...)
-        self._label_table: np.ndarray | None = getattr(dataset, "_labels", None) \
-            if getattr(dataset, "labels", True) is not False else None
+        self._state: Any = None  # the order's state after the last batch the loop got (None: ask the order)
+        self._encoder = StateEncoder()
+        self.table: FileTable = dataset.file_table()  #: where each sample is (public: the datasets' file table)
 
     # ---- what a backend provides -------------------------------------------------------------
     @abc.abstractmethod
-    def _read(self, batches: list[np.ndarray]) -> Iterator[Any]:
+    def _read(self, batches: Iterable[np.ndarray]) -> Iterator[Any]:
         """Yield the batches for these batches of indices, in order."""
 
     def _labels(self, idx: np.ndarray) -> torch.Tensor | None:
         """The labels of these samples as a tensor on the loader's device, or None without labels."""
-        if self._label_table is None:
+        if self.table.labels is None:
             return None
-        lab = torch.from_numpy(np.asarray(self._label_table)[idx])
+        lab = torch.from_numpy(np.asarray(self.table.labels)[idx])
         return lab.to(self.device, non_blocking=True) if self.device is not None else lab
 
     # ---- torch's interface ---------------------------------------------------------------------
@@ -141,13 +144,9 @@ class IndexedLoader(abc.ABC):
         return len(self._order)
 
     def __iter__(self) -> _EpochIter:
-        if self._resume_rng is not None:
-            self._resume_rng.restore()
-            self._resume_rng = None
-        self._pre_rng = _RngState(self._order)  # type: ignore[arg-type]
-        batches = list(self._order)  # draws from the generators as torch's DataLoader does
-        skip, self._skip = self._skip, 0
-        return _EpochIter(self, batches, skip)
+        it = _EpochIter(self, iter(self._order))
+        self._state = self._order.torch_state_dict()  # before the first batch (after a resume: where it was)
+        return it
 
     def set_epoch(self, epoch: int) -> None:
         """Pass the epoch to every sampler and dataset that takes one (DistributedSampler...)."""
@@ -155,21 +154,19 @@ class IndexedLoader(abc.ABC):
         pass_epoch(epoch, self.sampler, self.dataset)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this epoch is: resuming from it yields exactly the batches not yet yielded."""
-        return {"format": "stagingloader-loader-state", "version": 1, "backend": self.backend, "epoch": self.epoch,
-                "batches_yielded": self._yielded if self._iterating else 0, "in_epoch": self._iterating,
-                "rng_before_epoch": self._pre_rng.to_dict() if self._iterating and self._pre_rng else None,
-                "rng_sampler": None}
+        """torchdata's state of the order (as the torch path saves it with no workers), as JSON-safe values."""
+        state = self._state if self._state is not None else self._order.torch_state_dict()
+        out: dict[str, Any] = self._encoder.encode(state)
+        out[STATE_KEY] = {"epoch": self.epoch, "backend": self.backend}
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Make the next ``iter(loader)`` continue the saved epoch where it stopped."""
-        k = saved_batches(state)
-        self.epoch = int(state["epoch"])
-        if k is None:
-            return
-        self._skip = k
-        if state.get("rng_before_epoch") is not None:
-            self._resume_rng = _RngState.from_dict(self._order, state["rng_before_epoch"])  # type: ignore[arg-type]
+        """Make the next ``iter(loader)`` continue where the state was taken, reading only what is left."""
+        own = state.get(STATE_KEY)
+        if isinstance(own, dict) and "epoch" in own:
+            self.epoch = int(own["epoch"])
+        self._state = None
+        self._order.load_state_dict(state)
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -188,16 +185,23 @@ class IndexedLoader(abc.ABC):
 
 
 class _EpochIter:
-    """One epoch: times each ``next()`` for the stats and counts batches for ``state_dict``."""
+    """One epoch: times each ``next()`` for the stats, and keeps the order's state after each batch yielded."""
 
-    def __init__(self, loader: IndexedLoader, batches: list[np.ndarray], skip: int) -> None:
+    def __init__(self, loader: IndexedLoader, order: Iterator[np.ndarray]) -> None:
         self.loader = loader
-        self._n = len(batches) - min(skip, len(batches))
+        self._order = order
+        self._states: deque[Any] = deque()  # the order's state after each batch of indices taken, in order
+        self._n = len(order) - getattr(order, "_num_yielded", 0)  # type: ignore[arg-type]
         loader.stats.start_epoch(loader.epoch, None)
-        loader._iterating = True
-        loader._yielded = min(skip, len(batches))
-        self._inner = loader._read(batches[skip:])
+        self._inner = loader._read(self._indices())
         self._done = False
+
+    def _indices(self) -> Iterator[np.ndarray]:
+        order = self.loader._order
+        for batch in self._order:
+            self._states.append(order.torch_state_dict())
+            yield batch
+        self._states.append(order.torch_state_dict())  # the epoch's end
 
     def __iter__(self) -> _EpochIter:
         return self
@@ -209,15 +213,16 @@ class _EpochIter:
         if self._done:
             raise StopIteration
         t0 = time.perf_counter()
+        loader = self.loader
         try:
             batch = next(self._inner)
         except StopIteration:
             self._done = True
-            loader = self.loader
-            loader._iterating = False
+            if self._states:
+                loader._state = self._states[-1]
             loader.stats.end_epoch(None)
             loader.epoch += 1
             raise
-        self.loader.stats.record(time.perf_counter() - t0, _batch_size(batch), _nbytes(batch))
-        self.loader._yielded += 1
+        loader._state = self._states.popleft()
+        loader.stats.record(time.perf_counter() - t0, batch_len(batch), batch_nbytes(batch))
         return batch

@@ -65,7 +65,7 @@ def gds_eligible(dataset: Any) -> str:
     if isinstance(dataset, StagedFiles):
         if dataset.transform is not None or callable(dataset.decode) or dataset.decode == "bytes":
             return "the dataset decodes or transforms samples on the CPU"
-        if dataset.decode == "array" and len(set(dataset._sizes.tolist())) > 1:
+        if dataset.decode == "array" and len(set(dataset.sizes.tolist())) > 1:
             return "the files differ in size"
         return ""
     return f"a {type(dataset).__name__} is read by its own code"

@@ -14,7 +14,14 @@ from typing import Any
 
 from torch.utils.data import default_collate, default_convert
 
+from ..errors import StagingError
 from .stats import COLLATE_S, FETCH_S, WorkerClock
+
+UNEQUAL = ("stack expects each tensor to be equal size", "Trying to resize storage that is not resizable")
+
+
+class UnbatchableError(StagingError, RuntimeError):
+    """The samples of a batch cannot be stacked into one tensor (they differ in shape)."""
 
 
 class GatheredBatch(list):  # type: ignore[type-arg]
@@ -26,7 +33,8 @@ class GatheredBatch(list):  # type: ignore[type-arg]
 
 
 def fast_collate(data: Any) -> Any:
-    """``default_collate``, taking a gathered batch's stacked form when there is one."""
+    """``default_collate``, taking a gathered batch's stacked form when there is one; samples of different
+    shapes get an error that says what to pass instead."""
     if isinstance(data, GatheredBatch):
         slot = getattr(data, "slot", None)
         if slot is not None:
@@ -34,7 +42,16 @@ def fast_collate(data: Any) -> Any:
 
             return SlotBatch(data.stacked, *slot)
         return data.stacked
-    return default_collate(data)
+    try:
+        return default_collate(data)
+    except RuntimeError as e:
+        if not any(text in str(e) for text in UNEQUAL):
+            raise
+        raise UnbatchableError(
+            f"the {len(data)} samples of a batch differ in shape, so torch's default_collate cannot stack them "
+            f"({e}): pass a transform= that makes them equal (crop, resize, pad), or a collate_fn= that keeps "
+            "them apart (e.g. collate_fn=list, or one that pads), or batch_size=None for one sample at a time"
+        ) from e
 
 
 class TimedCollate:
@@ -42,6 +59,7 @@ class TimedCollate:
 
     def __init__(self, fn: Callable[[Any], Any] | None, clock: WorkerClock | None, measure_fetch: bool,
                  auto_collation: bool = True) -> None:
+        self.user_fn = fn  #: the collate_fn the user gave (None: torch's default)
         if fn is None:  # torch's defaults: collate batches, convert single samples
             fn = default_collate if auto_collation else default_convert
         self.fn = fast_collate if fn is default_collate else fn

@@ -21,13 +21,15 @@ from torch.utils.data import Dataset, get_worker_info
 from ..cache.layout import DatasetDir, find_dataset_dir
 from ..staging.result import StagedDataset
 from .collate import GatheredBatch
+from .context import current
+from .filetable import FileTable, NpyHeader, npy_header
 from .slots import SlotPool
-from .stats import DECODE_S, READ_BYTES, READ_S, WorkerClock
+from .stats import DECODE_S, READ_BYTES, READ_S
 
 
 def empty_batch(shape: tuple[int, ...], dtype: torch.dtype, slots: SlotPool | None = None, pin: bool = False,
-                ) -> tuple[torch.Tensor, tuple[int, int] | None]:
-    """A tensor for a batch, and the (worker, slot) it occupies if any.
+                ) -> tuple[torch.Tensor, tuple[int, int, int] | None]:
+    """A tensor for a batch, and the (worker, slot, pool token) it occupies if any.
 
     Inside a worker it lives in shared memory (it crosses to the main process as is): a reused
     slot when the loader gave the dataset a slot pool, else a fresh segment as torch does.  In
@@ -40,7 +42,7 @@ def empty_batch(shape: tuple[int, ...], dtype: torch.dtype, slots: SlotPool | No
     if slots is not None:
         got = slots.empty(shape, dtype)
         if got is not None:
-            return got[0], (info.id, got[1])
+            return got[0], (info.id, got[1], slots.token)
     return _fresh_shared(shape, dtype), None
 
 
@@ -54,7 +56,7 @@ def _fresh_shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 class _LazyBatch(GatheredBatch):
     """A gathered batch whose samples are built only if a custom collate_fn asks for them."""
 
-    def __init__(self, n: int, sample: Callable[[int], Any], stacked: Any, slot: tuple[int, int] | None) -> None:
+    def __init__(self, n: int, sample: Callable[[int], Any], stacked: Any, slot: tuple[int, int, int] | None) -> None:
         list.__init__(self)
         self._n, self._sample, self.stacked, self.slot = n, sample, stacked, slot
 
@@ -106,14 +108,6 @@ def root_of(dataset: Any) -> str | None:
     return None if root is None else str(root)
 
 
-class _NpyHead:
-    """The header bytes of a ``.npy`` file and what they say."""
-
-    def __init__(self, header: bytes, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
-        self.header, self.shape, self.dtype = header, shape, dtype
-        self.file_size = len(header) + int(np.prod(shape)) * dtype.itemsize
-
-
 def _load_npy(data: bytes) -> np.ndarray:
     import io
 
@@ -161,14 +155,17 @@ class StagedFiles(Dataset[Any]):
         self.decode = decode
         self.labels = labels
         self.transform = transform
-        self.clock: WorkerClock | None = None  # set by stagingloader.DataLoader
-        self.slots: SlotPool | None = None  # set by stagingloader.DataLoader with workers
-        self.fadvise = False  # set by the loader on disk tiers: read-ahead hints are useful there
-        self.pin = False  # set by the loader when batches go to a GPU: read them into pinned memory
-        self._head: _NpyHead | None = None  # decode="npy": the header the last batch was read with
+        self._head: NpyHeader | None = None  # decode="npy": the header the last batch was read with
 
     def __len__(self) -> int:
         return len(self._sizes)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Each file's size in bytes (read-only)."""
+        view: np.ndarray = self._sizes.view()
+        view.flags.writeable = False
+        return view
 
     def path(self, i: int) -> bytes:
         return self._root_b + self._blob[self._offsets[i]:self._offsets[i + 1]].tobytes()
@@ -209,8 +206,9 @@ class StagedFiles(Dataset[Any]):
                                      "include=('.npy',) keeps only .npy files") from None
             else:
                 x = self.decode(data)
-            if self.clock is not None:
-                self.clock.add(DECODE_S, time.perf_counter() - t0)
+            clock = current().clock
+            if clock is not None:
+                clock.add(DECODE_S, time.perf_counter() - t0)
         if self.transform is not None:
             x = self.transform(x)
         return (x, int(self._labels[i])) if self.labels else x
@@ -221,9 +219,10 @@ class StagedFiles(Dataset[Any]):
             i += len(self)
         t0 = time.perf_counter()
         data = self._read(i)
-        if self.clock is not None:
-            self.clock.add(READ_S, time.perf_counter() - t0)
-            self.clock.add(READ_BYTES, len(data))
+        clock = current().clock
+        if clock is not None:
+            clock.add(READ_S, time.perf_counter() - t0)
+            clock.add(READ_BYTES, len(data))
         raw: Any = np.frombuffer(data, dtype=np.uint8).copy() if self.decode == "array" else data
         return self._finish(raw, i)
 
@@ -231,61 +230,88 @@ class StagedFiles(Dataset[Any]):
         idx = np.asarray(indices, dtype=np.int64)
         idx = np.where(idx < 0, idx + len(self), idx)
         sizes = self._sizes[idx]
-        stackable = self.decode in ("array", "npy") and self.transform is None and len(idx) and \
-            (sizes == sizes[0]).all()
+        plain = self.decode in ("array", "npy") and self.transform is None and len(idx) > 0
+        if plain and self.decode == "array" and not (sizes == sizes[0]).all():
+            return self._ragged(idx, sizes)
+        stackable = plain and (sizes == sizes[0]).all()
         head = self._batch_head(int(idx[0]), int(sizes[0])) if stackable and self.decode == "npy" else None
         if not stackable or (self.decode == "npy" and head is None):
             return [self[int(i)] for i in idx]
         t0 = time.perf_counter()
+        ctx = current()
         if head is None:
-            out, slot = empty_batch((len(idx), int(sizes[0])), torch.uint8, self.slots, self.pin)
+            out, slot = empty_batch((len(idx), int(sizes[0])), torch.uint8, ctx.slots, ctx.pin)
         else:
             out, slot = empty_batch((len(idx), *head.shape), torch.from_numpy(np.empty(0, head.dtype)).dtype,
-                                    self.slots, self.pin)
+                                    ctx.slots, ctx.pin)
         arr = out.numpy()
         for row, i in enumerate(idx):
             if head is None:
                 self._read_into(int(i), memoryview(arr[row]))
             elif not self._read_npy_into(int(i), head, memoryview(arr[row]).cast("B")):
-                if slot is not None and self.slots is not None:
-                    self.slots.release(*slot, None)
+                if slot is not None and ctx.slots is not None:
+                    ctx.slots.release(slot[0], slot[1], None)
                 self._head = None
                 return [self[int(i)] for i in idx]  # a header differs from the first: decode one by one
-        if self.clock is not None:
-            self.clock.add(READ_S, time.perf_counter() - t0)
-            self.clock.add(READ_BYTES, int(sizes.sum()))
+        if ctx.clock is not None:
+            ctx.clock.add(READ_S, time.perf_counter() - t0)
+            ctx.clock.add(READ_BYTES, int(sizes.sum()))
         if not self.labels:
             return _LazyBatch(len(idx), lambda k: arr[k].copy(), out, slot)
         labels = self._labels[idx]
         return _LazyBatch(len(idx), lambda k: (arr[k].copy(), int(labels[k])), [out, torch.from_numpy(labels)], slot)
 
-    def _batch_head(self, i: int, size: int) -> _NpyHead | None:
+    def _ragged(self, idx: np.ndarray, sizes: np.ndarray) -> Any:
+        """Files of different sizes: one buffer for the batch, and the batch as a list of uint8 tensors
+        (one per file, views of that buffer) with the labels tensor, as DALI's ragged iterator gives it."""
+        t0 = time.perf_counter()
+        ctx = current()
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
+        out, slot = empty_batch((int(ends[-1]),), torch.uint8, ctx.slots, ctx.pin)
+        arr = out.numpy()
+        for k, i in enumerate(idx):
+            self._read_into(int(i), memoryview(arr[starts[k]:ends[k]]))  # type: ignore[arg-type]
+        if ctx.clock is not None:
+            ctx.clock.add(READ_S, time.perf_counter() - t0)
+            ctx.clock.add(READ_BYTES, int(ends[-1]))
+        views = [out[int(a):int(b)] for a, b in zip(starts, ends)]
+        if not self.labels:
+            return _LazyBatch(len(idx), lambda k: arr[starts[k]:ends[k]].copy(), views, slot)
+        labels = self._labels[idx]
+        return _LazyBatch(len(idx), lambda k: (arr[starts[k]:ends[k]].copy(), int(labels[k])),
+                          [views, torch.from_numpy(labels)], slot)
+
+    def _batch_head(self, i: int, size: int) -> NpyHeader | None:
         """The header to read a batch of ``size``-byte ``.npy`` files with: the last batch's if it fits, else
         file ``i``'s (each file's own header is still compared as it is read)."""
         if self._head is None or self._head.file_size != size:
-            self._head = self._npy_head(i)
+            self._head = self.npy_header(i)
         return self._head
 
-    def _npy_head(self, i: int) -> _NpyHead | None:
-        """The header of file ``i`` when it is a C-ordered ``.npy`` whose payload can be read as is."""
-        with open(self.path(i), "rb") as f:
-            try:
-                version = np.lib.format.read_magic(f)
-                if version not in ((1, 0), (2, 0)):
-                    return None  # rarer versions are decoded one by one, by np.load
-                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-                shape, fortran, dtype = read(f)
-            except ValueError as e:
-                raise ValueError(f"{self.path(i).decode(errors='replace')}: not a .npy file ({e})") from None
-            offset = f.tell()
-            f.seek(0)
-            header = f.read(offset)
-        head = _NpyHead(header, tuple(shape), dtype)
-        if fortran or dtype.hasobject or not shape or head.file_size != self._sizes[i]:
-            return None
-        return head
+    def npy_header(self, i: int) -> NpyHeader | None:
+        """The header of file ``i`` when it is a C-ordered ``.npy`` whose payload can be read as is, else None."""
+        return npy_header(self.path(i).decode("utf-8", "surrogateescape"), int(self._sizes[i]))
 
-    def _read_npy_into(self, i: int, head: _NpyHead, view: memoryview) -> bool:
+    def file_table(self) -> FileTable:
+        """Where each sample's bytes are: one file per sample (past the ``.npy`` header with ``decode="npy"``)."""
+        n = len(self)
+        header = None
+        shape: tuple[int, ...] | None = None
+        dtype: np.dtype[Any] | None = None
+        if self.decode == "npy":
+            head = self.npy_header(0)
+            if head is not None:
+                header, shape, dtype = head.header, head.shape, head.dtype
+        elif self.decode == "array" and n and (self._sizes == self._sizes[0]).all():
+            shape, dtype = (int(self._sizes[0]),), np.dtype(np.uint8)
+        skip = len(header) if header is not None else 0
+        return FileTable(paths=[self.path(i).decode("utf-8", "surrogateescape") for i in range(n)],
+                         sizes=self._sizes.copy(), labels=self._labels.copy() if self.labels else None,
+                         file=np.arange(n, dtype=np.int64), offset=np.full(n, skip, dtype=np.int64),
+                         length=self._sizes - skip, header=header, shape=shape, dtype=dtype)
+
+    def _read_npy_into(self, i: int, head: NpyHeader, view: memoryview) -> bool:
         """Read file ``i``'s payload into ``view``; False if its header is not ``head``'s."""
         scratch = bytearray(len(head.header))
         fd = os.open(self.path(i), os.O_RDONLY)
@@ -306,9 +332,7 @@ class StagedFiles(Dataset[Any]):
         return True
 
     def hint(self, indices: Sequence[int]) -> None:
-        """Ask the kernel to start reading these files (disk tiers; nothing to gain on tmpfs)."""
-        if not self.fadvise:
-            return
+        """Ask the kernel to start reading these files (the loader asks on disk tiers; nothing to gain on tmpfs)."""
         for i in indices:
             try:
                 fd = os.open(self.path(int(i)), os.O_RDONLY)
@@ -352,10 +376,6 @@ class StagedArrays(Dataset[Any]):
         if lab is not None and len(lab) != self._starts[-1]:
             raise ValueError(f"labels has {len(lab)} entries for {self._starts[-1]} rows")
         self._labels = None if lab is None else np.ascontiguousarray(lab)
-        self.clock: WorkerClock | None = None
-        self.slots: SlotPool | None = None
-        self.fadvise = False
-        self.pin = False  # set by the loader when batches go to a GPU: read them into pinned memory
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -383,9 +403,10 @@ class StagedArrays(Dataset[Any]):
         t0 = time.perf_counter()
         f, r = self._locate(i)
         row = np.array(self._mm()[f][r])
-        if self.clock is not None:
-            self.clock.add(READ_S, time.perf_counter() - t0)
-            self.clock.add(READ_BYTES, row.nbytes)
+        clock = current().clock
+        if clock is not None:
+            clock.add(READ_S, time.perf_counter() - t0)
+            clock.add(READ_BYTES, row.nbytes)
         return row if self._labels is None else (row, self._labels[i])
 
     def __getitems__(self, indices: Sequence[int]) -> Any:
@@ -395,8 +416,9 @@ class StagedArrays(Dataset[Any]):
         idx = np.where(idx < 0, idx + n, idx)
         if len(idx) and (idx.min() < 0 or idx.max() >= n):
             raise IndexError(f"row out of range for {n} rows")
+        ctx = current()
         out, slot = empty_batch((len(idx), *self.row_shape), torch.from_numpy(np.empty(0, self.dtype)).dtype,
-                                self.slots, self.pin)
+                                ctx.slots, ctx.pin)
         arr = out.numpy()
         maps = self._mm()
         which = np.searchsorted(self._starts, idx, side="right") - 1
@@ -406,17 +428,30 @@ class StagedArrays(Dataset[Any]):
             for f in np.unique(which):
                 sel = np.nonzero(which == f)[0]
                 arr[sel] = np.take(maps[f], idx[sel] - self._starts[f], axis=0, mode="clip")
-        if self.clock is not None:
-            self.clock.add(READ_S, time.perf_counter() - t0)
-            self.clock.add(READ_BYTES, arr.nbytes)
+        if ctx.clock is not None:
+            ctx.clock.add(READ_S, time.perf_counter() - t0)
+            ctx.clock.add(READ_BYTES, arr.nbytes)
         if self._labels is None:
             return _LazyBatch(len(idx), lambda k: arr[k].copy(), out, slot)
         labels = self._labels[idx]
         return _LazyBatch(len(idx), lambda k: (arr[k].copy(), labels[k]), [out, torch.from_numpy(labels)], slot)
 
+    def file_table(self) -> FileTable:
+        """Where each row's bytes are: file, byte offset past the ``.npy`` header, row length."""
+        maps = self._mm()
+        n = len(self)
+        file = np.repeat(np.arange(len(self.paths), dtype=np.int64), np.diff(self._starts))
+        row_bytes = int(np.prod(self.row_shape)) * self.dtype.itemsize
+        base = np.asarray([getattr(m, "offset", 0) for m in maps], dtype=np.int64)  # np.memmap's
+        offset = base[file] + (np.arange(n, dtype=np.int64) - self._starts[file]) * row_bytes
+        return FileTable(paths=list(self.paths), sizes=np.asarray([os.path.getsize(p) for p in self.paths]),
+                         labels=None if self._labels is None else np.asarray(self._labels).copy(), file=file,
+                         offset=offset, length=np.full(n, row_bytes, dtype=np.int64),
+                         header=None, shape=tuple(self.row_shape),
+                         dtype=np.dtype(self.dtype))
+
     def hint(self, indices: Sequence[int]) -> None:
-        if not self.fadvise:
-            return
+        """Ask the kernel to start reading these rows (the loader asks on disk tiers)."""
         import mmap
 
         maps = self._mm()

@@ -1,7 +1,9 @@
-"""The loader's iterator: times ``next()``, receives worker batches in the background, prefetches to the device."""
+"""The loader's iterator: times ``next()``, receives worker batches in the background, prefetches to the device,
+and keeps the state that matches what the loop has seen."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import signal as sig
 import threading
@@ -12,11 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .slots import SlotBatch, SlotPool
+from .context import LoaderContext, restore, use
+from .slots import SlotBatch, pool_of
+from .stats import batch_len, batch_nbytes
 
 if TYPE_CHECKING:
-    from .dataloader import DataLoader, _RngState
+    from .dataloader import DataLoader
 
+log = logging.getLogger("stagingloader.loader")
+
+WORKER_DEATH = ("is killed by signal", "exited unexpectedly")  #: how torch reports a worker that died
 OOM_HINT = ("SIGKILL is what the kernel's OOM killer sends: check `dmesg`, then lower num_workers, batch_size "
             "or prefetch_factor")
 
@@ -31,131 +38,200 @@ def note_oom(e: BaseException) -> None:
 class _Receiver:
     """A named thread that takes batches from the workers (and out of their slots) ahead of the loop.
 
-    It holds no reference to the iterator that owns it, so dropping that iterator stops it.
+    Each item carries the loader's state right after it, so ``state_dict()`` describes what the loop
+    has seen, not what was received ahead.  After an error it goes on with the next batch, as torch's
+    iterator does; it stops at the end of the epoch, when its iterator's workers are shut down, or
+    when it is closed.  It holds no reference to the iterator that owns it, so dropping that iterator
+    stops it.
     """
 
-    def __init__(self, pull: Callable[[], Any], depth: int) -> None:
-        self.queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
+    def __init__(self, pull: Callable[[], Any], state: Callable[[], Any], done: Callable[[], bool],
+                 depth: int) -> None:
+        self.queue: queue.Queue[tuple[str, Any, Any]] = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(pull, self.queue, self.stop),
+        self._done = done
+        self.thread = threading.Thread(target=self._run, args=(pull, state, done, self.queue, self.stop),
                                        name="stagingloader-receive", daemon=True)
         self.thread.start()
 
     @staticmethod
-    def _run(pull: Callable[[], Any], q: queue.Queue[tuple[str, Any]], stop: threading.Event) -> None:
+    def _run(pull: Callable[[], Any], state: Callable[[], Any], done: Callable[[], bool],
+             q: queue.Queue[tuple[str, Any, Any]], stop: threading.Event) -> None:
         while not stop.is_set():
-            item: tuple[str, Any]
+            item: tuple[str, Any, Any]
             try:
-                item = ("batch", pull())
+                batch = pull()
+                item = ("batch", batch, state())
             except StopIteration:
-                item = ("end", None)
+                item = ("end", None, state())
             except BaseException as e:  # carried to the consumer, traceback and all
-                item = ("error", e)
+                item = ("error", e, state())
             while not stop.is_set():
                 try:
                     q.put(item, timeout=0.1)
                     break
                 except queue.Full:
                     continue
-            if item[0] != "batch":
+            else:
+                _drop(item[1])
+            if item[0] == "end" or (item[0] == "error" and done()):
                 return
 
-    def get(self) -> Any:
-        kind, value = self.queue.get()
-        if kind == "end":
-            raise StopIteration
-        if kind == "error":
-            raise value
-        return value
+    def get(self) -> tuple[str, Any, Any]:
+        return self.queue.get()
 
-    def close(self) -> None:
+    def close(self, wait: float = 30.0) -> None:
+        """Stop, and wait for the batch being taken now (so nothing else touches torch's iterator after)."""
         self.stop.set()
+        self._drain()
+        if self.thread is not threading.current_thread() and not self._done():  # (shut down: nothing to wait for)
+            self.thread.join(timeout=wait)
+            if self.thread.is_alive():
+                log.warning("the receiving thread did not stop within %.0fs (a worker is still loading)", wait)
+        self._drain()
+
+    def _drain(self) -> None:
         try:
             while True:
-                self.queue.get_nowait()
+                _drop(self.queue.get_nowait()[1])
         except queue.Empty:
             pass
 
 
-def _puller(inner: Any, pool: SlotPool | None, pin: bool) -> Callable[[], Any]:
+def _drop(batch: Any) -> None:
+    if isinstance(batch, SlotBatch):
+        batch.drop()
+
+
+def _puller(inner: Any, ctx: LoaderContext | None, pin: bool) -> Callable[[], Any]:
+    """Takes the next batch from torch's iterator (in ``ctx`` when the dataset is read in this process) and
+    copies it out of its slot.  It holds no reference to the LoaderIter, so a receiver thread does not either."""
+
     def pull() -> Any:
-        batch = next(inner)
-        if isinstance(batch, SlotBatch) and pool is not None:
-            batch = batch.unwrap(pool, pin=pin)
+        token = use(ctx) if ctx is not None else None
+        try:
+            batch = next(inner)
+        finally:
+            if token is not None:
+                restore(token)
+        if isinstance(batch, SlotBatch):
+            pool = pool_of(batch.token)
+            batch = batch.unwrap(pool, pin=pin) if pool is not None else batch.payload
         return batch
 
     return pull
 
 
-class _LoaderIter:
-    """Times ``next()``, keeps the device copy one batch ahead, counts batches for state_dict."""
+def _shut(inner: Any) -> Callable[[], bool]:
+    return lambda: bool(getattr(inner, "_shutdown", False))
 
-    def __init__(self, loader: DataLoader, inner: Any, pre: _RngState) -> None:
+
+def _safe_state(inner: Any) -> Callable[[], Any]:
+    def state() -> Any:
+        try:
+            return inner.state_dict()
+        except Exception:  # a dataset's state_dict failed: state_dict() will call it again, and raise there
+            log.debug("state_dict() of the iterator failed", exc_info=True)
+            return None
+
+    return state
+
+
+class LoaderIter:
+    """Times ``next()``, keeps the device copy one batch ahead, receives worker batches in the background,
+    and keeps the state that goes with the last batch the loop got.
+
+    torch's iterator attributes (``_workers``, ``_shutdown_workers``, ``_num_yielded``...) are those of
+    the torchdata iterator it wraps (``inner``), reached through this object.
+    """
+
+    def __init__(self, loader: DataLoader[Any], inner: Any, ctx: LoaderContext) -> None:
         self.loader = loader
         self.inner = inner
-        loader._pre_rng = pre
-        loader._iterating = True
-        loader._yielded = loader._yielded_offset
-        loader._yielded_offset = 0
-        self._discard, loader._discard = loader._discard, 0
-        self._ahead: Any = None
+        self._ctx = ctx
+        self._ahead: tuple[Any, Any] | None = None
         self._done = False
         self._stream: Any = None
         dev = loader.device
         if dev is not None and dev.type == "cuda":
             self._stream = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
-        pin = (dev is not None and dev.type == "cuda") or bool(getattr(inner, "_pin_memory", False))
-        self._pull = _puller(inner, getattr(loader.dataset, "slots", None), pin)
+        self._pin = (dev is not None and dev.type == "cuda") or bool(getattr(inner, "_pin_memory", False))
         self._receiver: _Receiver | None = None
+        self._pull_inner = _puller(inner, ctx if loader.num_workers == 0 else None, self._pin)
+        self.state: Any = None  #: the loader's state after the last batch yielded, when batches are taken ahead
+        if loader.num_workers > 0 or dev is not None:
+            self.state = _safe_state(inner)()
         if loader.num_workers > 0:
             # workers load in parallel already; the receiving (IPC, copying out of slots) moves off the loop too
-            self._receiver = _Receiver(self._pull, depth=2)
-            self._pull = self._receiver.get
+            self._receiver = _Receiver(self._pull_inner, _safe_state(inner), _shut(inner), depth=2)
             weakref.finalize(self, self._receiver.close)
 
-    def __iter__(self) -> _LoaderIter:
+    def __iter__(self) -> LoaderIter:
         return self
 
     def __len__(self) -> int:
         return len(self.inner)
 
+    def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "loader"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def _pull(self) -> tuple[Any, Any]:
+        """The next batch and the state after it (None when the state is read live)."""
+        if self._receiver is not None:
+            kind, value, state = self._receiver.get()
+            if kind == "end":
+                self.state = state if state is not None else self.state
+                raise StopIteration
+            if kind == "error":
+                self.state = state if state is not None else self.state
+                raise value
+            return value, state
+        batch = self._pull_inner()
+        return batch, (_safe_state(self.inner)() if self.loader.device is not None else None)
+
     def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
         t0 = time.perf_counter()
-        try:
-            while self._discard:
-                self._discard -= 1
-                self._pull()
+        try:  # all of it: torch's SIGCHLD handler raises a worker's death wherever the main thread is
             batch = self._next()
+            self.loader.stats.record(time.perf_counter() - t0, batch_len(batch), batch_nbytes(batch))
+            return batch
         except StopIteration:
             self._end()
             raise
         except Exception as e:
             dead = self._dead_workers()
             if dead:
+                self._bury()
                 raise RuntimeError(dead) from e
+            if isinstance(e, RuntimeError) and any(t in str(e) for t in WORKER_DEATH):
+                self._bury()
             note_oom(e)
             self._annotate(e)
+            self._settle()
             raise
-        waited = time.perf_counter() - t0
-        self.loader.stats.record(waited, _batch_size(batch), _nbytes(batch))
-        self.loader._yielded += 1
-        return batch
 
     def _next(self) -> Any:
         if self.loader.device is None:
-            return self._pull()
+            batch, state = self._pull()
+            if state is not None:
+                self.state = state
+            return batch
         if self._ahead is None:
-            self._ahead = self._to_device(self._pull())
+            batch, state = self._pull()
+            self._ahead = (self._to_device(batch), state)
         current = self._ahead
         try:
-            self._ahead = self._to_device(self._pull())
+            batch, state = self._pull()
+            self._ahead = (self._to_device(batch), state)
         except StopIteration:
             self._ahead = None
-            if current is None:
-                raise
-        if current is None:
-            raise StopIteration
-        return self._ready(current)
+        if current[1] is not None:
+            self.state = current[1]
+        return self._ready(current[0])
 
     def _to_device(self, batch: Any) -> Any:
         dev = self.loader.device
@@ -186,9 +262,34 @@ class _LoaderIter:
             self._done = True
             if self._receiver is not None:
                 self._receiver.close()
-            self.loader._iterating = False
+            if self.loader.device is not None and self._receiver is None:
+                self.state = _safe_state(self.inner)()
             self.loader.stats.end_epoch(self.loader.clock)
             self.loader.epoch += 1
+            self._settle()
+
+    def _bury(self) -> None:
+        """A worker died: stop them all now (torch leaves that to the iterator's collection), return their slots,
+        and let the next ``iter(loader)`` start fresh workers."""
+        if self._receiver is not None:
+            self._receiver.stop.set()  # it may be waiting on the dead worker's batch: it stops at its next look
+        shutdown = getattr(self.inner, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        if self.loader._iterator is self.inner:
+            self.loader._iterator = None
+        self._settle()
+
+    def _settle(self) -> None:
+        """Once torch has shut this iterator's workers down, none of them holds a slot any more."""
+        pool = self.loader.pool
+        if pool is not None and _shut(self.inner)():
+            pool.reset()
+
+    def close(self) -> None:
+        """Stop receiving ahead; batches received and not yet taken give their slots back."""
+        if self._receiver is not None:
+            self._receiver.close()
 
     def _dead_workers(self) -> str:
         """Which workers a signal killed, by pid and signal, and what that usually means."""
@@ -207,36 +308,13 @@ class _LoaderIter:
         return "; ".join(out)
 
     def _annotate(self, e: Exception) -> None:
-        """Add the failing sample's index (single process) or batch's indices (workers) to the error."""
+        """Add the failing sample's index (single process) or batch's number (workers) to the error."""
         idx = _failing_index(e.__traceback__)
+        cur = self.loader.stats.current
         note = f"stagingloader: while loading sample index {idx}" if idx is not None else \
-            f"stagingloader: while loading batch {self.loader._yielded} of epoch {self.loader.epoch}"
+            f"stagingloader: while loading batch {cur.batches if cur else 0} of epoch {self.loader.epoch}"
         if hasattr(e, "add_note"):
             e.add_note(note)
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, dict):
-        return _batch_size(next(iter(batch.values()))) if batch else 0
-    if isinstance(batch, (list, tuple)):
-        return _batch_size(batch[0]) if batch and isinstance(batch[0], (torch.Tensor, list, tuple, dict)) \
-            else len(batch)
-    return 1
-
-
-def _nbytes(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.element_size() * batch.nelement()
-    if isinstance(batch, dict):
-        return sum(_nbytes(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return sum(_nbytes(v) for v in batch)
-    if isinstance(batch, (bytes, bytearray)):
-        return len(batch)
-    nbytes = getattr(batch, "nbytes", None)
-    return int(nbytes) if isinstance(nbytes, int) else 0
 
 
 def _failing_index(tb: Any) -> Any:

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 log = logging.getLogger("stagingloader.loader")
 
@@ -25,14 +28,45 @@ READ_S, DECODE_S, COLLATE_S, FETCH_S, READ_BYTES, BATCHES = range(6)
 _COLUMNS = 6
 STALL_WARNING = 0.10
 WARN_MIN_BATCHES, WARN_MIN_SECONDS = 20, 1.0  #: shorter epochs are too short to judge
+RECENT_WAITS = 512  #: per epoch, the last waits kept as they were (for plots); the rest is in the histogram
+KEPT_EPOCHS = 1000  #: epochs kept one by one in ``LoaderStats.epochs``; older ones only count in the totals
+
+
+class WaitHistogram:
+    """Waits in fixed log-spaced buckets (5 % wide, 1 µs to about 12 days): quantiles within 2.5 %,
+    constant memory however long the run."""
+
+    LO, RATIO, BUCKETS = 1e-6, 1.05, 512
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(self.BUCKETS, dtype=np.int64)
+
+    def add(self, seconds: float) -> None:
+        k = 0 if seconds <= self.LO else int(math.log(seconds / self.LO) / math.log(self.RATIO)) + 1
+        self.counts[min(k, self.BUCKETS - 1)] += 1
+
+    def merge(self, other: WaitHistogram) -> None:
+        self.counts += other.counts
+
+    def quantile(self, q: float) -> float:
+        n = int(self.counts.sum())
+        if n == 0:
+            return 0.0
+        k = int(np.searchsorted(np.cumsum(self.counts), q * n, side="left"))
+        if k == 0:
+            return self.LO
+        lo = self.LO * self.RATIO ** (k - 1)
+        return lo * math.sqrt(self.RATIO)  # the bucket's geometric middle
+
+    def to_dict(self) -> dict[str, Any]:
+        nz = np.nonzero(self.counts)[0]
+        return {"lo_s": self.LO, "ratio": self.RATIO, "buckets": {int(k): int(self.counts[k]) for k in nz}}
 
 
 class WorkerClock:
     """Per-worker cumulative seconds and bytes, in memory shared with the workers (row 0: main)."""
 
     def __init__(self, workers: int) -> None:
-        import torch
-
         self.table = torch.zeros((workers + 1, _COLUMNS), dtype=torch.float64)
         if workers:
             self.table.share_memory_()  # type: ignore[no-untyped-call]
@@ -51,10 +85,36 @@ class WorkerClock:
         return out
 
 
+def nvml_handle(nvml: Any, props: Any) -> Any:
+    """The NVML handle of the CUDA device whose ``torch.cuda.get_device_properties`` are ``props``.
+
+    NVML numbers every GPU of the machine; CUDA only the visible ones, in ``CUDA_VISIBLE_DEVICES``
+    order, so indices differ: the device is found by its UUID, else its PCI bus id.
+    """
+    uuid = getattr(props, "uuid", None)
+    if uuid:
+        text = str(uuid)
+        for key in (text, f"GPU-{text}", f"MIG-{text}"):
+            try:
+                return nvml.nvmlDeviceGetHandleByUUID(key)
+            except Exception:
+                continue
+    bus = getattr(props, "pci_bus_id", None)
+    if bus is not None:
+        domain, device = getattr(props, "pci_domain_id", 0), getattr(props, "pci_device_id", 0)
+        for fmt in ("{:08x}:{:02x}:{:02x}.0", "{:04x}:{:02x}:{:02x}.0"):
+            try:
+                return nvml.nvmlDeviceGetHandleByPciBusId(fmt.format(domain, bus, device))
+            except Exception:
+                continue
+    return None
+
+
 class GpuSampler:
     """Samples the GPU's utilisation (NVML, from nvidia-ml-py) every 100 ms while an epoch runs.
 
-    Absent NVML or a GPU, it does nothing and ``mean()`` is None.
+    Absent NVML or a GPU, it does nothing and ``mean()`` is None.  The CUDA device is matched to
+    NVML's by UUID or PCI bus id (:func:`nvml_handle`), never by index.
     """
 
     def __init__(self, device_index: int | None) -> None:
@@ -68,10 +128,12 @@ class GpuSampler:
             import pynvml
 
             pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self._handle = nvml_handle(pynvml, torch.cuda.get_device_properties(device_index))
             self._nvml = pynvml
         except Exception:  # no NVML, no driver: utilisation is simply not reported
             self._handle = None
+        if self._handle is None:
+            log.info("GPU utilisation not sampled: NVML has no device with cuda:%d's UUID or PCI bus id", device_index)
 
     def start(self) -> None:
         if self._handle is None:
@@ -116,7 +178,8 @@ class EpochStats:
     fetch_s: float = 0.0
     read_bytes: int = 0
     gpu_util: float | None = None  #: mean GPU utilisation (%) over the epoch, where NVML is available
-    waits: list[float] = field(default_factory=list, repr=False)
+    waits: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_WAITS), repr=False)  #: the last waits
+    histogram: WaitHistogram = field(default_factory=WaitHistogram, repr=False)  #: every wait, bucketed
 
     @property
     def stall_fraction(self) -> float:
@@ -131,11 +194,49 @@ class EpochStats:
         return self.bytes / self.wall_s if self.wall_s > 0 else 0.0
 
     def to_dict(self, with_waits: bool = False) -> dict[str, Any]:
-        d = asdict(self)
-        if not with_waits:
-            d.pop("waits")
+        d = {k: v for k, v in self.__dict__.items() if k not in ("waits", "histogram")}
+        if with_waits:
+            d["waits"] = list(self.waits)
+            d["wait_histogram"] = self.histogram.to_dict()
         d.update(stall_fraction=self.stall_fraction, samples_per_s=self.samples_per_s, bytes_per_s=self.bytes_per_s)
         return d
+
+
+def _add(into: EpochStats, e: EpochStats) -> None:
+    for name in ("batches", "samples", "bytes", "wall_s", "wait_s", "read_s", "decode_s", "collate_s", "fetch_s",
+                 "read_bytes"):
+        setattr(into, name, getattr(into, name) + getattr(e, name))
+    into.histogram.merge(e.histogram)
+
+
+def batch_len(batch: Any) -> int:
+    """How many samples a batch holds, as torch's default collation lays batches out."""
+    if isinstance(batch, torch.Tensor):
+        if batch.is_nested:
+            return int(batch.size(0))
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, dict):
+        return batch_len(next(iter(batch.values()))) if batch else 0
+    if isinstance(batch, (list, tuple)):
+        return batch_len(batch[0]) if batch and isinstance(batch[0], (torch.Tensor, list, tuple, dict)) \
+            else len(batch)
+    return 1
+
+
+def batch_nbytes(batch: Any) -> int:
+    """The bytes of the tensors, arrays and buffers in a batch."""
+    if isinstance(batch, torch.Tensor):
+        if batch.is_nested:
+            return sum(batch_nbytes(t) for t in batch.unbind())
+        return batch.element_size() * batch.nelement()
+    if isinstance(batch, dict):
+        return sum(batch_nbytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(batch_nbytes(v) for v in batch)
+    if isinstance(batch, (bytes, bytearray)):
+        return len(batch)
+    nbytes = getattr(batch, "nbytes", None)
+    return int(nbytes) if isinstance(nbytes, int) else 0
 
 
 class LoaderStats:
@@ -144,10 +245,12 @@ class LoaderStats:
     def __init__(self, path_note: str = "", gpu: GpuSampler | None = None) -> None:
         self.gpu = gpu
         self.tier = ""  #: where the dataset is read from ("tmpfs", "disk"), set by the loader
-        self.epochs: list[EpochStats] = []
+        self.epochs: list[EpochStats] = []  #: the last KEPT_EPOCHS epochs
         self.current: EpochStats | None = None
+        self._done = EpochStats(epoch=-1)  # every finished epoch, summed
         self.path_note = path_note  #: how batches reach the consumer, and why
         self.backend = "torch"  #: which loader reads: "torch", "dali" or "gds"
+        self.quiet = False  #: no log line per epoch (a loader used inside another)
         self._t_start = 0.0
         self._t_last = 0.0
         self._clock_at_start: np.ndarray | None = None
@@ -171,6 +274,7 @@ class LoaderStats:
         cur.bytes += nbytes
         cur.wait_s += waited
         cur.waits.append(waited)
+        cur.histogram.add(waited)
         self._t_last = time.perf_counter()
 
     def end_epoch(self, clock: WorkerClock | None) -> EpochStats | None:
@@ -180,30 +284,32 @@ class LoaderStats:
         cur.wall_s = self._t_last - self._t_start
         if self.gpu is not None:
             cur.gpu_util = self.gpu.stop()
-        if cur.waits:
-            cur.wait_p50_s, cur.wait_p99_s = (float(x) for x in np.percentile(cur.waits, [50, 99]))
+        cur.wait_p50_s, cur.wait_p99_s = cur.histogram.quantile(0.5), cur.histogram.quantile(0.99)
         if clock is not None and self._clock_at_start is not None:
             d = clock.totals() - self._clock_at_start
             cur.read_s, cur.decode_s, cur.collate_s, cur.fetch_s = (float(d[i]) for i in range(4))
             cur.read_bytes = int(d[READ_BYTES])
         self.epochs.append(cur)
+        del self.epochs[:-KEPT_EPOCHS]
+        _add(self._done, cur)
+        if not self._done.first_batch_s:
+            self._done.first_batch_s = cur.first_batch_s
         self.current = None
-        self._log(cur)
+        if not self.quiet:
+            self._log(cur)
         return cur
 
     # ---- reading ------------------------------------------------------------------------------
     @property
     def total(self) -> EpochStats:
-        all_ = [*self.epochs, *([self.current] if self.current is not None else [])]
+        """The whole run so far: finished epochs and the current one (costs the same however long the run)."""
         t = EpochStats(epoch=-1)
-        for e in all_:
-            for name in ("batches", "samples", "bytes", "wall_s", "wait_s", "read_s", "decode_s", "collate_s",
-                         "fetch_s", "read_bytes"):
-                setattr(t, name, getattr(t, name) + getattr(e, name))
-            t.waits.extend(e.waits)
-        if t.waits:
-            t.wait_p50_s, t.wait_p99_s = (float(x) for x in np.percentile(t.waits, [50, 99]))
-        t.first_batch_s = all_[0].first_batch_s if all_ else 0.0
+        _add(t, self._done)
+        t.first_batch_s = self._done.first_batch_s
+        if self.current is not None:
+            _add(t, self.current)
+            t.first_batch_s = t.first_batch_s or self.current.first_batch_s
+        t.wait_p50_s, t.wait_p99_s = t.histogram.quantile(0.5), t.histogram.quantile(0.99)
         return t
 
     def __getattr__(self, name: str) -> Any:

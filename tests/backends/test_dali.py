@@ -160,7 +160,11 @@ def test_resume_mid_epoch_yields_the_rest(trees: dict[str, Path]) -> None:
     it = iter(first)
     head = [next(it) for _ in range(3)]
     state = first.state_dict()
-    assert state["in_epoch"] and state["batches_yielded"] == 3 and state["backend"] == "dali"
+    assert state["_num_yielded"] == 3 and state["_stagingloader"]["backend"] == "dali"
+    assert isinstance(first, sl.DataLoader)
+    import json
+
+    state = json.loads(json.dumps(state))
     torch.manual_seed(999)  # a restarted job's RNG is elsewhere: the state carries it
     second = sl.DataLoader(ds, batch_size=3, shuffle=True, backend="dali")
     second.load_state_dict(state)
@@ -249,3 +253,27 @@ def test_the_example_trains_from_a_staged_image_folder(tmp_path: Path) -> None:
     assert len(epochs) == 3 and all("96 images" in line for line in epochs)
     assert "accuracy 1.00" in epochs[-1]  # one colour per class: learnt in three epochs
     assert "fn.readers.file over 96 files" in out.stdout
+
+
+@pytest.mark.parametrize("cut", [0, 8], ids=["before-first-batch", "end-of-epoch"])
+def test_resume_through_torchdatas_protocol_at_either_end(trees: dict[str, Path], cut: int) -> None:
+    """The DALI path saves the torch path's state (no workers): JSON, and the next epochs are the uninterrupted ones."""
+    import json
+
+    ds = sl.StagedFiles(trees["npy"], decode="npy")
+
+    def make() -> sl.DataLoader[Any]:
+        return sl.DataLoader(ds, batch_size=3, shuffle=True, backend="dali", generator=torch.Generator().manual_seed(4))
+
+    reference = make()
+    full = [list(reference), list(reference)]
+    loader = make()
+    it = iter(loader)
+    head = [next(it) for _ in range(cut)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert state["_num_yielded"] == cut and state["_stagingloader"]["backend"] == "dali"
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = list(resumed)  # at the end of an epoch, torchdata's way: the rest of it is empty
+    assert _same(head + rest, full[0])
+    assert _same(list(resumed), full[1])
