@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,8 +99,13 @@ def gds_blocker(dataset: Any, device: torch.device | None, need_cufile: bool = T
     return ""
 
 
-def choose(requested: str, dataset: Any, device: str | torch.device | None) -> Choice:
-    """The path for ``DataLoader(dataset, device=device, backend=requested)``; raises where it cannot work."""
+def choose(requested: str, dataset: Any, device: str | torch.device | None, *,
+           torch_only: Sequence[str] = ()) -> Choice:
+    """The path for ``DataLoader(dataset, device=device, backend=requested)``; raises where it cannot work.
+
+    ``torch_only`` names the options the loader was given that only torch's path honours (``collate_fn``,
+    ``batch_sampler``, ``worker_init_fn``): ``auto`` then never picks a backend that would refuse them.
+    """
     if requested not in BACKENDS:
         raise UsageError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, not {requested!r}")
     dev = torch.device(device) if device is not None else None
@@ -112,6 +118,8 @@ def choose(requested: str, dataset: Any, device: str | torch.device | None) -> C
         return Choice("torch", _torch_note(dev, "backend='torch'"))
     if requested == "gds":
         return Choice("gds", f"GPUDirect Storage via {require_gds(dataset, dev)}")
+    if torch_only:
+        return Choice("torch", _torch_note(dev, f"{', '.join(torch_only)} given: only this path honours it"))
     blocker = gds_blocker(dataset, dev)
     if not blocker:
         return Choice("gds", f"GPUDirect Storage via {cufile()[0]}")

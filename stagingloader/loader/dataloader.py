@@ -127,7 +127,8 @@ class DataLoader(StatefulDataLoader[T_co]):
                  stats: bool = True, shard: str | None = None, backend: str = "auto", **backend_options: Any) -> None:
         from ..backends.select import choose
 
-        choice = choose(backend, dataset, device)
+        given = (("collate_fn", collate_fn), ("batch_sampler", batch_sampler), ("worker_init_fn", worker_init_fn))
+        choice = choose(backend, dataset, device, torch_only=[name for name, value in given if value is not None])
         self.backend_loader: Any = None
         if choice.backend != "torch":
             self._delegate(choice.backend, dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,

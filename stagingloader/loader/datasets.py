@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from ..cache.layout import DatasetDir, find_dataset_dir
+from ..cache.layout import find_dataset_dir
+from ..errors import DatasetNotFoundError, ManifestError
 from ..staging.result import StagedDataset
 from .collate import GatheredBatch
 from .context import current
@@ -86,12 +87,18 @@ def _resolve(staged: StagedDataset | str | os.PathLike[str]) -> tuple[Path, list
     path = Path(staged)
     try:
         ddir, version = find_dataset_dir(path)
-        version = version or ddir.current()
-        if version is not None:
-            m = DatasetDir(ddir.path).load_manifest(version)
-            return ddir.version_dir(version) / "data", list(m.path), list(m.size)
-    except Exception:  # not a staged dataset: a plain folder
-        pass
+    except ManifestError:  # not a staged dataset: a plain folder, walked
+        return _walk(path)
+    # a staged dataset is read from its manifest or not at all: walking it would serve .lock, leases/, v1/...
+    version = version or ddir.current() or ddir.newest_complete()
+    if version is None:
+        raise DatasetNotFoundError(f"{ddir.path} holds no complete staged version yet: wait for its stager, or stage "
+                                   "it again (stagingloader stage SRC)")
+    m = ddir.load_manifest(version)  # a truncated or foreign manifest: ManifestError, naming it
+    return ddir.version_dir(version) / "data", list(m.path), list(m.size)
+
+
+def _walk(path: Path) -> tuple[Path, list[str], list[int]]:
     rels, sizes = [], []
     for dirpath, _dirs, names in os.walk(path):
         for name in names:

@@ -146,3 +146,21 @@ def test_gds_refuses_npy_files_of_another_shape(tmp_path: Path) -> None:
     assert lay.where(0)[1] == 128
     with pytest.raises(sl.UsageError, match=r"1\.npy: its array differs in shape or dtype"):
         lay.where(1)
+
+
+def test_auto_never_picks_a_backend_that_would_refuse_the_loaders_options(disk_rows: sl.StagedArrays,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """backend='auto' with collate_fn / batch_sampler / worker_init_fn stays on torch's path, and says why: it used
+    to choose GDS, which then refused those options.  Where GDS could work is stood in for (no GPU here; the GPU
+    check runs the real choice)."""
+    monkeypatch.setattr(select, "gds_blocker", lambda dataset, device, need_cufile=True: "")
+    monkeypatch.setattr(select, "cufile", lambda: ("kvikio", ""))
+    assert choose("auto", disk_rows, None).backend == "gds"  # what a GDS-capable node picks for a plain loader
+    picked = choose("auto", disk_rows, None, torch_only=["collate_fn"])
+    assert picked.backend == "torch"
+    loader = sl.DataLoader(disk_rows, batch_size=4, collate_fn=list)
+    assert loader.backend_loader is None and [len(b) for b in loader][:1] == [4]
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    batches = BatchSampler(SequentialSampler(range(len(disk_rows))), 4, drop_last=False)
+    assert sl.DataLoader(disk_rows, batch_sampler=batches, worker_init_fn=print).backend_loader is None

@@ -96,6 +96,23 @@ def test_plain_folder_and_torchvision_style_use(staged_files: sl.StagedDataset) 
     assert len(ds) == 90 and ds.classes == ["ant", "bee", "cat"]
 
 
+def test_a_staged_dataset_is_read_from_its_manifest_or_not_at_all(tmp_path: Path) -> None:
+    """A dataset folder whose manifest is truncated is never walked as a plain folder (that served .lock,
+    leases/ and every version's files as samples)."""
+    src = make_tree(tmp_path / "src", {f"c/{i}.bin": 100 + i for i in range(5)})
+    ds = sl.stage(str(src), root=str(tmp_path / "root"), lease="t")
+    assert len(sl.StagedFiles(ds.dataset_dir)) == 5  # by its folder: the manifest's five files
+    manifest = ds.dataset_dir / ds.version / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:40])
+    for given in (ds.dataset_dir, ds.root):
+        with pytest.raises(sl.ManifestError, match="manifest"):
+            sl.StagedFiles(given)
+    (ds.dataset_dir / "current").unlink()
+    (ds.dataset_dir / ds.version / "manifest.json").unlink()
+    with pytest.raises(sl.DatasetNotFoundError, match="no complete staged version"):
+        sl.StagedFiles(ds.dataset_dir)
+
+
 def test_stats_and_epoch_log(staged_files: sl.StagedDataset, caplog: pytest.LogCaptureFixture) -> None:
     loader = sl.DataLoader(sl.StagedFiles(staged_files), batch_size=10, shuffle=True)
     caplog.set_level(logging.INFO, logger="stagingloader.loader")
