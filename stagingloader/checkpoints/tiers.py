@@ -221,7 +221,8 @@ class ObjectTier:
             self.fs, path = fsspec.core.url_to_fs(url, **storage_options)
         except ImportError:
             raise MissingDependencyError(
-                f"{url}: this URL needs an fsspec implementation: pip install 'stagingloader[s3]' for s3://"
+                f"{url}: this URL needs an fsspec implementation: pip install s3fs for s3:// "
+                "(stagingloader's [s3] extra: pip install '.[s3]' in its checkout)"
             ) from None
         except (ValueError, TypeError) as e:
             raise UsageError(f"bad checkpoint URL or storage option for {url}: {e}") from None

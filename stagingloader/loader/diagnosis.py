@@ -18,7 +18,8 @@ def explain(e: EpochStats, tier: str = "", backend: str = "torch") -> str:
     if backend == "gds":
         rate = e.bytes / e.wait_s / 1e9 if e.wait_s > 0 else 0.0
         return (f"GPUDirect Storage reads did not keep up (about {rate:.2f} GB/s while the loop waited): use "
-                "larger batches or samples, install kvikio for parallel reads (pip install 'stagingloader[gds]'), "
+                "larger batches or samples, install kvikio for parallel reads (pip install kvikio-cu13, or '.[gds]' "
+                "in stagingloader's checkout), "
                 "or stage to tmpfs, where pinned asynchronous copies feed the GPU (backend='torch').")
     read, cpu = e.read_s, e.decode_s + e.collate_s
     other = max(e.fetch_s - read - e.decode_s, 0.0)  # dataset time we cannot split (user datasets)
