@@ -368,8 +368,11 @@ def _scan(top: str, base: str, prefix: str) -> list[SourceFile]:
             except UnsafePathError:
                 raise
             except OSError as e:
-                if isinstance(e, FileNotFoundError) and entry.is_symlink():
-                    raise SourceError(f"{entry.path}: broken symlink to {os.readlink(entry.path)}") from None
+                if isinstance(e, FileNotFoundError):
+                    if not os.path.lexists(entry.path):
+                        continue  # removed (or renamed away) while the folder was listed: not part of this listing
+                    if entry.is_symlink():
+                        raise SourceError(f"{entry.path}: broken symlink to {os.readlink(entry.path)}") from None
                 raise as_source_error(e, entry.path) from e
             if stat.S_ISDIR(st.st_mode):
                 key = (st.st_dev, st.st_ino)

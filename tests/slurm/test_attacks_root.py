@@ -26,7 +26,7 @@ import pytest
 
 from stagingloader.cache.locking import DatasetLock
 from tests.slurm.test_slurm_hooks import USER, Hooks
-from tests.support.slurm import ensure_user
+from tests.support.slurm import ensure_user, job_user
 from tests.support.trees import make_tree
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the hooks run as root; the attacker is a real user")
@@ -60,11 +60,7 @@ def snapshot(top: Path) -> dict[str, tuple[Any, ...]]:
 
 @pytest.fixture
 def hooks() -> Iterator[Hooks]:
-    user = ensure_user(USER)
-    probe = subprocess.run([sys.executable, "-c", "import stagingloader"], capture_output=True,
-                           user=user.pw_uid, group=user.pw_gid, extra_groups=[], cwd="/")
-    if probe.returncode != 0:
-        pytest.skip(f"{USER} cannot run {sys.executable}")
+    user = job_user(USER)
     base = Path(tempfile.mkdtemp(prefix="sl-attack-"))
     base.chmod(0o755)
     (base / "roots").mkdir()

@@ -10,7 +10,6 @@ import json
 import os
 import pwd
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ import pytest
 
 from stagingloader.staging.sharding import files_for_node
 from tests.conftest import mounted_tmpfs
-from tests.support.slurm import SlurmCluster, ensure_installed, ensure_user
+from tests.support.slurm import SlurmCluster, ensure_installed, job_user
 from tests.support.trees import make_tree, tree_digests
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the Slurm tests start daemons as root")
@@ -120,12 +119,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     why = ensure_installed()
     if why:
         pytest.skip(why)
-    user = ensure_user(USER)
-    probe = subprocess.run([sys.executable, "-c", "import stagingloader, xxhash"], capture_output=True, text=True,
-                           user=user.pw_uid, group=user.pw_gid, extra_groups=[], cwd="/")
-    if probe.returncode != 0:
-        pytest.skip(f"{USER} cannot run {sys.executable} with stagingloader (build the venv from an interpreter "
-                    f"every user can run, e.g. /usr/bin/python3): {probe.stderr[-300:]}")
+    user = job_user(USER)
     base = Path(os.environ.get("STAGINGLOADER_SLURM_TEST_DIR") or "/run" if os.access("/run", os.W_OK)
                 else tmp_path_factory.mktemp("slurm"))
     base = Path(__import__("tempfile").mkdtemp(prefix="sl-site-", dir=str(base)))

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.slurm import ensure_user
+from tests.support.slurm import ensure_user, job_user
 from tests.support.trees import make_tree, tree_digests
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the hooks run as root and drop to a job user")
@@ -76,11 +76,7 @@ class Hooks:
 
 @pytest.fixture
 def hooks() -> Iterator[Hooks]:
-    user = ensure_user(USER)
-    probe = subprocess.run([sys.executable, "-c", "import stagingloader"], capture_output=True,
-                           user=user.pw_uid, group=user.pw_gid, extra_groups=[], cwd="/")
-    if probe.returncode != 0:
-        pytest.skip(f"{USER} cannot run {sys.executable}")
+    user = job_user(USER)
     # pytest's tmp_path is private to root: the job user must reach the state folder and the sources
     base = Path(tempfile.mkdtemp(prefix="sl-hooks-"))
     base.chmod(0o755)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from stagingloader.errors import SourceNotFoundError, UnsafePathError
+from stagingloader.staging import sources
 from stagingloader.staging.sources import Source, selected, validate_rel
 from tests.support.trees import make_tree
 
@@ -55,3 +57,22 @@ def test_a_local_name_with_a_backslash_is_refused(tmp_path: Path, where: str) ->
     make_tree(tmp_path / "s", {where: 3, "ok.bin": 1})
     with pytest.raises(UnsafePathError, match=r"back\\\\slash|dir\\\\name"):
         Source(str(tmp_path / "s")).listing()
+
+
+def test_a_file_removed_while_its_folder_is_listed_is_left_out(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer renaming a temp file into place while the stager lists the folder: the name scandir returned is
+    gone when it is stat'ed.  It is not part of the listing (it used to fail the whole stage)."""
+    make_tree(tmp_path / "src", {"a.bin": 10, "b.bin.tmp": 20, "c.bin": 30})
+    real_scandir = os.scandir
+
+    def scandir_then_rename(path: str) -> list[os.DirEntry[str]]:
+        entries = list(real_scandir(path))
+        tmp = tmp_path / "src" / "b.bin.tmp"
+        if tmp.exists():
+            tmp.rename(tmp_path / "src" / "b.bin")  # after the listing, before the stat: the race, made certain
+        return entries
+
+    monkeypatch.setattr(sources.os, "scandir", scandir_then_rename)
+    listed = [f.rel for f in sources.Source(str(tmp_path / "src")).listing()]
+    assert listed == ["a.bin", "c.bin"]

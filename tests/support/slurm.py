@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -49,6 +50,20 @@ def ensure_user(name: str = "sltest") -> pwd.struct_passwd:
     except KeyError:
         subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", name], check=True, capture_output=True)
         return pwd.getpwnam(name)
+
+
+def job_user(name: str = "sltest") -> pwd.struct_passwd:
+    """``ensure_user(name)``, checked able to run this interpreter with stagingloader (the hooks' children and the
+    jobs run as that user); skips, naming the fix, where it cannot (--strict-skips turns that into a failure)."""
+    import pytest
+
+    user = ensure_user(name)
+    probe = subprocess.run([sys.executable, "-c", "import stagingloader, xxhash"], capture_output=True, text=True,
+                           user=user.pw_uid, group=user.pw_gid, extra_groups=[], cwd="/")
+    if probe.returncode != 0:
+        pytest.skip(f"{name} cannot run {sys.executable} with stagingloader (build the venv from an interpreter "
+                    f"every user can run, e.g. /usr/bin/python3): {probe.stderr[-300:]}")
+    return user
 
 
 def _free_port_pair() -> int:
