@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from types import TracebackType
@@ -49,7 +49,7 @@ class Checkpoints:
     def __init__(self, local: str | os.PathLike[str], remote: str | None = None, *, keep_local: int = 2,
                  keep_remote: int | None = None, storage_options: dict[str, Any] | None = None,
                  transfer: TransferPolicy | None = None, fsync: bool | None = None,
-                 async_buffer_bytes: int | None = None) -> None:
+                 async_buffer_bytes: int | None = None, peers: Sequence[str] = ()) -> None:
         if keep_local < 1:
             raise UsageError(f"keep_local must be at least 1 (the newest checkpoint stays local), not {keep_local}")
         if keep_remote is not None and keep_remote < 1:
@@ -60,6 +60,8 @@ class Checkpoints:
         self.local.sweep_temp()
         options = dict(storage_options or {})
         self.remote: Tier | None = open_tier(remote, options) if remote else None
+        #: other nodes' local tiers where the site shares them (read only, tried before the remote)
+        self.peers: list[Tier] = [open_tier(os.fspath(p), options) for p in peers]
         self.keep_local, self.keep_remote = keep_local, keep_remote
         write_settings(self.local.url, remote=self.remote.url if self.remote else None, storage_options=options,
                        keep_remote=keep_remote)
@@ -202,18 +204,19 @@ class Checkpoints:
     # ---- finding and loading ------------------------------------------------------------------
     def latest(self) -> int | None:
         """The newest step complete on some tier (local or remote), or None."""
-        return latest_step(self.local, self.remote)
+        return latest_step(self.local, self.remote, self.peers)
 
     def load(self, step: int | None = None, **torch_load_kwargs: Any) -> Any:
         """The object saved as ``step`` (default: the newest complete one), from the nearest copy that verifies.
 
         The local copy is re-hashed against its marker first; a missing or corrupt one is restored from the
+        nearest tier that holds it complete: ``peers`` (other nodes' local tiers the site shares), then the
         remote (copied back to the local tier, verified in transit).  Without ``step``, a step no tier holds
         intact is skipped (with a warning) for the next-newest one.
         """
         import torch
 
-        steps = [step] if step is not None else candidates(self.local, self.remote)
+        steps = [step] if step is not None else candidates(self.local, self.remote, self.peers)
         if not steps:
             where = self.local.url + (f" or {self.remote.url}" if self.remote else "")
             raise CheckpointNotFoundError(f"no complete checkpoint in {where}")
@@ -221,7 +224,7 @@ class Checkpoints:
         for s in steps:
             with self.pinned(s):
                 try:
-                    marker = ensure_local(self.local, self.remote, s, self.policy)
+                    marker = ensure_local(self.local, self.remote, s, self.policy, self.peers)
                 except CheckpointCorruptError as e:
                     if step is not None:
                         raise

@@ -1,14 +1,17 @@
 """Find the nearest complete copy of a checkpoint and make it whole and verified on the local tier.
 
 Local first, when its marker loads and every file re-hashes to the marker's digest; otherwise the
-remote's copy is streamed back into the local tier (hashed in transit, marker written last) and
-used from there.  A copy that fails verification is never returned: the next tier is tried, and
-``candidates`` lets a caller fall back to the next-newest step.
+next tier that holds it complete, nearest first: another node's local tier where the site shares it
+(``peers``: a shared scratch, an NFS export of node-local disks), then the remote.  Its copy is
+streamed back into the local tier (hashed in transit, marker written last) and used from there.  A
+copy that fails verification is never returned: the next tier is tried, and ``candidates`` lets a
+caller fall back to the next-newest step.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from ..cache.manifest import Manifest
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -19,22 +22,25 @@ from .transfer import TransferPolicy, copy_step
 log = logging.getLogger(__name__)
 
 
-def latest(local: FolderTier, remote: Tier | None) -> int | None:
+def latest(local: FolderTier, remote: Tier | None, peers: Sequence[Tier] = ()) -> int | None:
     """The newest step complete on some tier."""
-    found = [s for s in (latest_complete(local), latest_complete(remote) if remote else None) if s is not None]
+    found = [s for s in (latest_complete(t) for t in (local, *peers, remote) if t is not None) if s is not None]
     return max(found) if found else None
 
 
-def candidates(local: FolderTier, remote: Tier | None) -> list[int]:
+def candidates(local: FolderTier, remote: Tier | None, peers: Sequence[Tier] = ()) -> list[int]:
     """Every step complete on some tier, newest first."""
     steps = set(complete_steps(local))
-    if remote is not None:
-        steps |= set(complete_steps(remote))
+    for tier in (*peers, remote):
+        if tier is not None:
+            steps |= set(complete_steps(tier))
     return sorted(steps, reverse=True)
 
 
-def ensure_local(local: FolderTier, remote: Tier | None, step: int, policy: TransferPolicy) -> Manifest:
-    """Make ``step`` whole and verified on ``local`` (restoring it from ``remote`` if needed); its marker."""
+def ensure_local(local: FolderTier, remote: Tier | None, step: int, policy: TransferPolicy,
+                 peers: Sequence[Tier] = ()) -> Manifest:
+    """Make ``step`` whole and verified on ``local``, restoring it from the nearest tier that holds it complete
+    (``peers`` in order, then ``remote``); return its marker."""
     marker = local.read_marker(step)
     problems: list[str] = []
     if marker is not None:
@@ -42,20 +48,25 @@ def ensure_local(local: FolderTier, remote: Tier | None, step: int, policy: Tran
         if not bad:
             return marker
         problems.append(f"{local.url}/{step_name(step)}: " + ", ".join(f"{k} {v}" for k, v in sorted(bad.items())))
-        log.warning("local checkpoint %s is corrupt (%s); trying the remote copy", step_name(step), problems[-1])
-    if remote is not None:
-        rmarker = remote.read_marker(step)
-        if rmarker is not None:
-            local.remove(step)  # whatever is there (a corrupt copy, a killed save) is not what the marker vouches for
-            try:
-                copy_step(remote, local, step, rmarker, policy)
-            except CheckpointCorruptError as e:
-                local.remove(step)
-                problems.append(str(e))
-            else:
-                log.info("restored %s from %s", step_name(step), remote.url)
-                return rmarker
+        log.warning("local checkpoint %s is corrupt (%s); trying the other tiers", step_name(step), problems[-1])
+    for tier in (*peers, remote):
+        if tier is None:
+            continue
+        tmarker = tier.read_marker(step)
+        if tmarker is None:
+            continue
+        local.remove(step)  # whatever is there (a corrupt copy, a killed save) is not what the marker vouches for
+        try:
+            copy_step(tier, local, step, tmarker, policy)
+        except CheckpointCorruptError as e:
+            local.remove(step)
+            problems.append(str(e))
+            log.warning("the copy of %s in %s does not verify (%s); trying the next tier", step_name(step),
+                        tier.url, e)
+            continue
+        log.info("restored %s from %s", step_name(step), tier.url)
+        return tmarker
     if problems:
         raise CheckpointCorruptError(f"step {step}: no tier holds a copy that verifies: " + "; ".join(problems))
-    where = local.url + (f" or {remote.url}" if remote is not None else "")
+    where = ", ".join(t.url for t in (local, *peers, remote) if t is not None)
     raise CheckpointNotFoundError(f"no complete checkpoint of step {step} in {where}")

@@ -300,7 +300,10 @@ def _take_lease(run: _Run, version: str, holder_pid: int | None) -> str | None:
     name = run.opts.lease
     if name is None and holder_pid is None:
         return None
-    return leases.take(run.ddir, version, name=name, pid=None if name else holder_pid).name
+    try:
+        return leases.take(run.ddir, version, name=name, pid=None if name else holder_pid).name
+    except OSError as e:  # a disk that filled after the copy: the version is whole and published, the lease not
+        raise as_root_error(e) from e
 
 
 def _report(run: _Run, plan: CopyPlan, manifest: Manifest, version: str, copier: Copier | None) -> StageReport:

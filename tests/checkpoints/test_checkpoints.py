@@ -103,6 +103,28 @@ def test_fresh_node_restores_the_latest_remote_and_a_corrupt_local_copy_is_repla
         assert same(ck.load(20), state(20))  # restored again from the remote
 
 
+def test_a_peer_nodes_local_copy_is_nearer_than_the_remote(tmp_path: Path) -> None:
+    """A job restarted on node 2: node 1's local tier, shared by the site, holds step 30 that never reached the remote
+    (its drain was cut off); node 2 restores it from there, verified, and a corrupt peer copy falls through to the
+    remote's older complete step."""
+    remote = tmp_path / "remote"
+    with Checkpoints(local=tmp_path / "node1", remote=str(remote)) as ck:
+        ck.save(20, state(20))
+    with Checkpoints(local=tmp_path / "node1") as ck:  # the last save of the job, killed before its drain
+        ck.save(30, state(30))
+    assert steps_in(remote) == [step_name(20)]
+    with Checkpoints(local=tmp_path / "node2", remote=str(remote), peers=[tmp_path / "node1"]) as ck:
+        assert ck.latest() == 30
+        assert same(ck.load(), state(30))
+        assert (tmp_path / "node2" / step_name(30) / MARKER).exists()  # copied to the local tier, marker last
+    with (tmp_path / "node1" / step_name(30) / OBJECT_FILE).open("r+b") as f:
+        f.write(b"garbage")
+    with Checkpoints(local=tmp_path / "node3", remote=str(remote), peers=[tmp_path / "node1"]) as ck:
+        assert same(ck.load(), state(20))  # step 30 verifies nowhere: the newest complete one that does
+        assert not (tmp_path / "node3" / step_name(30)).exists()
+    assert steps_in(tmp_path / "node1") == [step_name(20), step_name(30)]  # a peer is read, never changed
+
+
 def test_a_full_local_tmpfs_fails_the_save_and_keeps_the_latest_complete(tmp_path: Path) -> None:
     with mounted_tmpfs(tmp_path / "tiny", "16m") as tiny, Checkpoints(local=tiny, keep_local=2) as ck:
         ck.save(1, state(1, mib=3))
