@@ -1,10 +1,11 @@
 """Checkpoints: how long the training loop is blocked per checkpoint, tiered vs straight to shared storage.
 
-    python benchmarks/bench_checkpoints.py [--sizes 1,4] [--shared-mbps 250] [--local /dev/shm/slbench-ckpt]
+    python benchmarks/bench_checkpoints.py [--sizes 1,4] [--shared-mbps 250] [--local /dev/shm/slbench-ckpt] [--s3]
 
 "Shared storage" is a stand-in slower than the local tier: a folder on the root disk reached through an
 fsspec file system (``throttled://``) whose reads and writes share one token bucket of --shared-mbps (a
-share of an NFS/Lustre link).  The same stand-in serves every contender:
+share of an NFS/Lustre link); with ``--s3``, the tests' S3 server behind the fault proxy limited to the same
+rate (no faults).  The same stand-in serves every contender:
 
 - ``torch.save`` straight to it, ``dcp.save`` and ``dcp.async_save`` to it (DCP's ``FsspecWriter``);
 - stagingloader ``Checkpoints(local=tmpfs, remote=throttled://...)``: ``save`` (sync) and ``save(async_=True)``.
@@ -18,6 +19,7 @@ drain runs; and restore times (local verified copy vs a fresh node restoring fro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import io
 import json
@@ -27,6 +29,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,33 +158,48 @@ class StepLoop:
         return out
 
 
-def bench_size(size: int, local: Path, shared: Path, loop: StepLoop) -> dict[str, Any]:
+class Shared:
+    """The "shared storage" stand-in every contender writes to: a URL, its storage options, and how to empty it."""
+
+    def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
+        self.url, self.options = url.rstrip("/"), dict(options or {})
+        self.fs, self.path = fsspec.core.url_to_fs(self.url, **self.options)
+
+    def clear(self) -> None:
+        if self.fs.exists(self.path):
+            self.fs.rm(self.path, recursive=True)
+        if self.url.startswith("throttled://"):
+            self.fs.makedirs(self.path, exist_ok=True)
+
+
+def bench_size(size: int, local: Path, shared: Shared, loop: StepLoop) -> dict[str, Any]:
     r: dict[str, Any] = {"bytes": size}
     state = make_state(size)
-    for d in (local, shared):
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
+    shutil.rmtree(local, ignore_errors=True)
+    local.mkdir(parents=True)
+    shared.clear()
 
     def to_shared() -> None:
-        with fsspec.open(f"throttled://{shared}/plain.pt", "wb") as f:
+        with fsspec.open(f"{shared.url}/plain.pt", "wb", **shared.options) as f:
             torch.save(state, f)
 
     r["shared_torch_save_s"] = timed(to_shared)
     r["shared_dcp_save_s"] = timed(lambda: dcp.save(state, storage_writer=FsspecWriter(
-        f"throttled://{shared}/dcp-sync"), no_dist=True))
+        f"{shared.url}/dcp-sync", **shared.options), no_dist=True))
     t0 = time.perf_counter()
-    fut = dcp.async_save(state, storage_writer=FsspecWriter(f"throttled://{shared}/dcp-async"), no_dist=True)
+    fut = dcp.async_save(state, storage_writer=FsspecWriter(f"{shared.url}/dcp-async", **shared.options),
+                         no_dist=True)
     r["shared_dcp_async_save_blocked_s"] = time.perf_counter() - t0
     fut.result()
     r["shared_dcp_async_save_done_s"] = time.perf_counter() - t0
     del fut
     gc.collect()
-    shutil.rmtree(shared)
-    shared.mkdir()
+    shared.clear()
 
-    remote = f"throttled://{shared}/tiered"
+    remote = f"{shared.url}/tiered"
     before = loop.run_for(3.0)
-    with Checkpoints(local=local / "tiered", remote=remote, keep_local=1, keep_remote=2) as ck:
+    with Checkpoints(local=local / "tiered", remote=remote, keep_local=1, keep_remote=2,
+                     storage_options=shared.options) as ck:
         # the local tier's own speed, measured right before and after each stagingloader save (best of two):
         # this machine is shared, so only measurements next to each other in time compare
         local_s = [timed(lambda: torch.save(state, local / "plain.pt"))]
@@ -205,7 +223,7 @@ def bench_size(size: int, local: Path, shared: Path, loop: StepLoop) -> dict[str
                 r["sl_async_save_drained_s"] = time.perf_counter() - t0
         r["sl_async_first_blocked_s"], r["sl_async_save_blocked_s"] = blocked
         r["restore_local_s"] = timed(lambda: ck.load(3))
-    with Checkpoints(local=local / "fresh-node", remote=remote) as ck:
+    with Checkpoints(local=local / "fresh-node", remote=remote, storage_options=shared.options) as ck:
         r["restore_remote_s"] = timed(lambda: ck.load(3))
     base = before + after
     r["restore_bytes_verified"] = size
@@ -215,12 +233,12 @@ def bench_size(size: int, local: Path, shared: Path, loop: StepLoop) -> dict[str
     state.clear()
     gc.collect()
     shutil.rmtree(local, ignore_errors=True)
-    shutil.rmtree(shared, ignore_errors=True)
+    shared.clear()
     return r
 
 
-def table(rows: list[dict[str, Any]], mbps: float) -> str:
-    out = [f"shared stand-in: {mbps:.0f} MB/s (throttled fsspec folder on the root disk); local tier: tmpfs", "",
+def table(rows: list[dict[str, Any]], mbps: float, what: str) -> str:
+    out = [f"shared stand-in: {mbps:.0f} MB/s ({what}); local tier: tmpfs", "",
            "| state | local write (torch.save to tmpfs) | torch.save to shared | dcp.save | dcp.async_save blocked "
            "| **sl save blocked** | **sl async blocked** (first) | sl blocked / local write | shared / sl blocked |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -255,22 +273,44 @@ def main() -> int:
     ap.add_argument("--json", metavar="FILE", help="also write the raw figures here")
     ap.add_argument("--idle-timeout", type=float, default=300.0,
                     help="wait up to this long for the (shared) machine to go idle before each size")
+    ap.add_argument("--s3", action="store_true",
+                    help="the stand-in is the tests' S3 server (SeaweedFS) behind the fault proxy, limited to "
+                         "--shared-mbps and with no faults, instead of a throttled folder")
     args = ap.parse_args()
     torch.set_num_threads(1)
     THROTTLE.rate = args.shared_mbps * 1e6
-    loop = StepLoop()
-    rows = []
-    for gib in (float(x) for x in args.sizes.split(",")):
-        idle = B.wait_for_idle(timeout=args.idle_timeout, say=lambda m: print(m, file=sys.stderr))
-        acct = B.CpuAccount()
-        rows.append(bench_size(int(gib * GIB), Path(args.local), Path(args.shared), loop))
-        rows[-1]["others_cpu_share"] = acct.report()["foreign_user_share_of_machine"]
-        rows[-1]["idle_wait"] = idle
-        print(json.dumps(rows[-1]), file=sys.stderr)
-    print(table(rows, args.shared_mbps))
+    with _shared_tier(args) as (shared, what):
+        loop = StepLoop()
+        rows = []
+        for gib in (float(x) for x in args.sizes.split(",")):
+            idle = B.wait_for_idle(timeout=args.idle_timeout, say=lambda m: print(m, file=sys.stderr))
+            acct = B.CpuAccount()
+            rows.append(bench_size(int(gib * GIB), Path(args.local), shared, loop))
+            rows[-1]["others_cpu_share"] = acct.report()["foreign_user_share_of_machine"]
+            rows[-1]["idle_wait"] = idle
+            rows[-1]["shared"] = what
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    print(table(rows, args.shared_mbps, what))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
+
+
+@contextlib.contextmanager
+def _shared_tier(args: argparse.Namespace) -> Iterator[tuple[Shared, str]]:
+    if not args.s3:
+        yield Shared(f"throttled://{args.shared}"), "throttled fsspec folder on the root disk"
+        return
+    from tests.support.faultproxy import FaultProxy
+    from tests.support.s3server import S3Server
+
+    with S3Server() as server:
+        server.make_bucket("bench-ckpt")
+        host, port = server.endpoint_url.rsplit("//", 1)[1].split(":")
+        with FaultProxy(host, int(port), error_rate=0.0, drop_rate=0.0, timeout=600,
+                        bytes_per_s=args.shared_mbps * 1e6) as proxy:
+            options = server.storage_options(endpoint_url=proxy.endpoint_url)
+            yield Shared("s3://bench-ckpt/shared", options), "SeaweedFS S3 behind a rate-limited proxy"
 
 
 if __name__ == "__main__":

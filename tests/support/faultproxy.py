@@ -20,6 +20,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -38,16 +39,38 @@ def s3_error_body(code: str, message: str) -> bytes:
     ).encode()
 
 
-def _copy_exact(src: io.BufferedIOBase, dst: socket.socket, length: int) -> None:
+class Bandwidth:
+    """One token bucket shared by every connection through the proxy: a link of ``bytes_per_s`` (a share of the
+    network to an object store), both directions together."""
+
+    def __init__(self, bytes_per_s: float | None) -> None:
+        self.rate = bytes_per_s
+        self._next = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        if not self.rate or n <= 0:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._next = max(self._next, now) + n / self.rate
+            wait = self._next - now
+        if wait > 0:
+            time.sleep(wait)
+
+
+def _copy_exact(src: io.BufferedIOBase, dst: socket.socket, length: int, link: Bandwidth | None = None) -> None:
     while length > 0:
         data = src.read(min(_BLOCK, length))
         if not data:
             raise ConnectionError("client closed while sending the request body")
+        if link is not None:
+            link.take(len(data))
         dst.sendall(data)
         length -= len(data)
 
 
-def _copy_chunked(src: io.BufferedIOBase, dst: socket.socket) -> None:
+def _copy_chunked(src: io.BufferedIOBase, dst: socket.socket, link: Bandwidth | None = None) -> None:
     """Relay a chunked body verbatim (sizes, extensions, trailers)."""
     while True:
         line = src.readline(1024)
@@ -59,7 +82,7 @@ def _copy_chunked(src: io.BufferedIOBase, dst: socket.socket) -> None:
                 dst.sendall(trailer)
                 if trailer in (b"\r\n", b"\n", b""):
                     return
-        _copy_exact(src, dst, size + 2)  # data and its CRLF
+        _copy_exact(src, dst, size + 2, link)  # data and its CRLF
 
 
 class FaultProxy:
@@ -73,6 +96,7 @@ class FaultProxy:
         drop_rate: float = 0.1,
         seed: int = 0,
         timeout: float = 30.0,
+        bytes_per_s: float | None = None,
     ) -> None:
         if error_rate < 0 or drop_rate < 0 or error_rate + drop_rate > 1:
             raise ValueError("need 0 <= error_rate, drop_rate and error_rate + drop_rate <= 1")
@@ -81,6 +105,7 @@ class FaultProxy:
         self.drop_rate = drop_rate
         self.timeout = timeout
         self.seed = seed
+        self.link = Bandwidth(bytes_per_s)  #: None: as fast as loopback
         self.requests = 0
         self.actions: Counter[str] = Counter()  # forward/error/drop_before/drop_mid/forced
         self._seen: dict[tuple[str, str], int] = {}
@@ -301,9 +326,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         head += "".join(f"{k}: {v}\r\n" for k, v in self.headers.items())
         up.sendall(head.encode("latin-1") + b"\r\n")
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            _copy_chunked(self.rfile, up)
+            _copy_chunked(self.rfile, up, self.owner.link)
         else:
-            _copy_exact(self.rfile, up, int(self.headers.get("Content-Length") or 0))
+            _copy_exact(self.rfile, up, int(self.headers.get("Content-Length") or 0), self.owner.link)
 
     def _relay_response(self, up: socket.socket, *, truncate: bool) -> None:
         resp = http.client.HTTPResponse(up, method=self.command)
@@ -331,6 +356,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             if truncate and budget >= 0 and sent + len(data) > budget:
                 data = data[: budget - sent]
             if data:
+                self.owner.link.take(len(data))
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
                 sent += len(data)
             if truncate and (budget < 0 or sent >= budget):
