@@ -93,12 +93,16 @@ class DatasetLock:
     def _acquire(self, blocking: bool) -> bool:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         told = 0.0
+        vanished = 0
         while True:
-            self.lock_file.parent.mkdir(parents=True, exist_ok=True)
+            self.lock_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # private, as a dataset folder is
             try:
                 fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            except FileNotFoundError:
-                raise
+            except FileNotFoundError:  # its folder was removed (by gc, holding the lock) since it was made
+                vanished += 1
+                if vanished > 100:
+                    raise
+                continue
             except OSError as e:  # a folder, a link, someone else's file
                 raise CacheError(f"cannot open the lock file {self.lock_file} ({e.strerror}): it is not a file of "
                                  f"yours; remove it (rm -r {self.lock_file}) and stage again") from None

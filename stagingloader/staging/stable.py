@@ -49,6 +49,11 @@ def replaced(path: str) -> SourceChangedError:
     )
 
 
+def gone(path: str) -> SourceChangedError:
+    return SourceChangedError(f"{path} was listed but is gone: the source changed while it was staged; stage again "
+                              "once it is stable")
+
+
 def changing(path: str) -> SourceChangedError:
     return SourceChangedError(f"{path} changed while it was copied ({READ_TRIES} tries); stage again once it is "
                               "stable")
@@ -61,6 +66,8 @@ def open_listed(path: str, f: SourceFile) -> tuple[int, Identity]:
     """
     try:
         pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise gone(path) from None
     except OSError as e:
         if is_transient_os_error(e):
             raise  # as it is: the caller retries it
@@ -86,4 +93,4 @@ def open_listed(path: str, f: SourceFile) -> tuple[int, Identity]:
     return fd, ident
 
 
-__all__ = ["READ_TRIES", "Identity", "changing", "identity", "open_listed", "replaced"]
+__all__ = ["READ_TRIES", "Identity", "changing", "gone", "identity", "open_listed", "replaced"]

@@ -134,15 +134,27 @@ def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = N
         return _dry_run(run)
     if foreign:
         return _use_read_only(run)
-    try:
-        trust.private_dir(run.ddir.path, what="dataset folder",
-                          fix="remove it (rm -r {path}) and stage again, or pick another --root")
-    except PermissionError:
-        raise RootError(f"cannot create {run.ddir.path}: permission denied; pick another --root") from None
-    run.ddir.check(writable=True)
+    _own_folder(run)
     remember_root(tier.path, env)
     with DatasetLock(run.ddir.lock_file, timeout=opts.lock_timeout, on_wait=say):
+        _own_folder(run)  # the folder whose lock we hold: gc may have removed the one we checked while we waited
         return _stage_locked(run, identity=identity, callback=callback, on_file=on_file, holder_pid=holder_pid)
+
+
+def _own_folder(run: _Run) -> None:
+    """Make the dataset folder (0700), or check the one there is ours and sound.  Until this run holds the dataset's
+    lock, gc may remove the folder between two steps: then it is made again."""
+    for attempt in range(1, 6):
+        try:
+            trust.private_dir(run.ddir.path, what="dataset folder",
+                              fix="remove it (rm -r {path}) and stage again, or pick another --root")
+            run.ddir.check(writable=True)
+            return
+        except PermissionError:
+            raise RootError(f"cannot create {run.ddir.path}: permission denied; pick another --root") from None
+        except FileNotFoundError:  # removed by gc (it held the lock) between our steps
+            if attempt == 5:
+                raise
 
 
 @dataclass(frozen=True, kw_only=True)
