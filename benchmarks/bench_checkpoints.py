@@ -27,7 +27,6 @@ import os
 import shutil
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,29 +41,13 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from stagingloader.checkpoints import Checkpoints
+from tests.support.faultproxy import Bandwidth
 
 GIB = 1 << 30
 PIECE = 256 << 20
 
 
-class Throttle:
-    """One token bucket for the stand-in's link: every read and write waits for its share."""
-
-    def __init__(self, bytes_per_s: float) -> None:
-        self.rate = bytes_per_s
-        self._next = time.monotonic()
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> None:
-        with self._lock:
-            now = time.monotonic()
-            self._next = max(self._next, now) + n / self.rate
-            wait = self._next - now
-        if wait > 0:
-            time.sleep(wait)
-
-
-THROTTLE = Throttle(250e6)
+THROTTLE = Bandwidth(250e6)  #: one token bucket for the stand-in's link: every read and write waits
 
 
 class _Slow(io.RawIOBase):
