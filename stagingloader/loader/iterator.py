@@ -276,9 +276,15 @@ class LoaderIter:
         shutdown = getattr(self.inner, "_shutdown_workers", None)
         if callable(shutdown):
             shutdown()
+        if self._receiver is not None:
+            self._receiver.close(wait=5.0)  # joined and drained: batches it had received give their slots back
         if self.loader._iterator is self.inner:
             self.loader._iterator = None
-        self._settle()
+        pool = self.loader.pool
+        if callable(shutdown) and pool is not None:
+            pool.reset()  # torch has joined or terminated every worker: none of them holds a slot any more
+        else:
+            self._settle()
 
     def _settle(self) -> None:
         """Once torch has shut this iterator's workers down, none of them holds a slot any more."""

@@ -86,6 +86,8 @@ try:
     out = {"rank": rank, "result": run_once_per_node(stage, os.environ), "calls": calls}
 except Exception as e:
     out = {"rank": rank, "error": type(e).__name__, "message": str(e), "calls": calls}
+finally:
+    dist.destroy_process_group()  # gloo's threads aborting at exit would otherwise kill the process (SIGABRT)
 print(json.dumps(out))
 """
 
