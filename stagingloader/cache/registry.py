@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import socket
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -49,4 +50,7 @@ def remember_root(root: Path, env: Mapping[str, str]) -> None:
     roots = [str(root)] + [str(r) for r in known_roots(env) if str(r) != str(root)]
     with contextlib.suppress(OSError):
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path.parent)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            return  # a HOME that is not ours (root run with a user's environment): write nothing there
         atomic_write(path, json.dumps(roots[:MAX_ROOTS], indent=1).encode(), mode=0o600)

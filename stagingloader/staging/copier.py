@@ -364,11 +364,15 @@ class Copier:
         A transient error of a mounted share (EIO, ESTALE...) starts the read again, with back-off.
         """
         path = self.source.local_path(f.rel)
+        tries = 0
 
         def attempt() -> tuple[int, int] | None:
-            hasher.reset()
-            os.lseek(out_fd, 0, os.SEEK_SET)
-            os.ftruncate(out_fd, 0)
+            nonlocal tries
+            tries += 1
+            if tries > 1:  # start again from nothing: only a retry pays these three calls, not every small file
+                hasher.reset()
+                os.lseek(out_fd, 0, os.SEEK_SET)
+                os.ftruncate(out_fd, 0)
             src, before = stable.open_listed(path, f)
             try:
                 size = 0
