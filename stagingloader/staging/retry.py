@@ -112,6 +112,8 @@ def call_with_retry(fn: Callable[[], T], where: str, policy: RetryPolicy = Retry
             limit = min(policy.attempts, policy.unreachable_attempts) if unreachable else policy.attempts
             if is_permanent(exc) or attempt >= limit or (stop is not None and stop.is_set()):
                 err = as_source_error(exc, where)
+                if err is exc:  # already ours: keep its own cause (``from exc`` would make it its own cause)
+                    raise
                 if attempt > 1 and not isinstance(exc, StagingError):
                     err = type(err)(f"{err} (gave up after {attempt} attempts)")
                 raise err from exc

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import stat
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,12 +20,12 @@ from typing import Any
 from ..cache.manifest import SOURCE_MANIFEST_NAME, Manifest
 from ..errors import (
     MissingDependencyError,
-    SourceChangedError,
     SourceError,
     SourceNotFoundError,
     UnsafePathError,
     UsageError,
 )
+from .objectio import Buffer, RangeReader, s3_reader
 from .retry import RetryPolicy, as_source_error, call_with_retry, redact
 
 GLOB_CHARS = "*?["
@@ -101,6 +102,18 @@ class Source:
             if self.is_local:
                 self.base = os.path.realpath(self.base or ".")
         self._single = False
+        self._reader: RangeReader | None = None
+        self._reader_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (for worker processes): the reader and its lock are made again where they are used."""
+        state = dict(self.__dict__)
+        state["_reader"], state["_reader_lock"] = None, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reader_lock = threading.Lock()
 
     @property
     def kind(self) -> str:
@@ -199,16 +212,20 @@ class Source:
         return info
 
     # ---- reading ---------------------------------------------------------------------------
-    def read_range(self, rel: str, start: int, end: int, etag: str = "") -> bytes:
-        """Bytes ``[start, end)`` of a remote file, retried on transient errors.
+    def read_range(self, rel: str, start: int, end: int, etag: str = "") -> Buffer:
+        """Bytes ``[start, end)`` of a remote file (bytes or a read-only view), retried on transient errors.
 
-        On S3, with the ``etag`` (``ETAG[@VERSION]``) the listing gave, every range is read from that one object
-        version (``If-Match``, and the version id where the bucket keeps versions), so the ranges of an object
+        Thread-safe: the copier calls it from many threads at once.  On S3 (through :mod:`.objectio`), with the
+        ``etag`` (``ETAG[@VERSION]``) the listing gave, every range is read from that one object version
+        (``If-Match``, and the version id where the bucket keeps versions), so the ranges of an object
         overwritten while it is copied are never spliced: :class:`SourceChangedError` instead.
         """
         path = self.path_of(rel)
-        if etag and self.protocol in ("s3", "s3a"):
-            data: bytes = call_with_retry(lambda: self._s3_range(path, start, end, etag), path, self.retry)
+        if start >= end:
+            return b""
+        if self.protocol in ("s3", "s3a"):
+            reader = self.object_reader()
+            data: Buffer = call_with_retry(lambda: reader.read(path, start, end, etag), path, self.retry)
         else:
             data = call_with_retry(lambda: self.fs.cat_file(path, start=start, end=end), path, self.retry)
         if len(data) != end - start:
@@ -216,33 +233,13 @@ class Source:
                               "the object changed while it was read, stage again")
         return data
 
-    def _s3_range(self, path: str, start: int, end: int, etag: str) -> bytes:
-        from fsspec.asyn import sync
-
-        bucket, key, _ = self.fs.split_path(path)
-        tag, _, version = etag.partition("@")
-        extra = {"VersionId": version} if version else {}
-        changed = SourceChangedError(f"{path} was overwritten while it was copied (its ETag is no longer {tag}); "
-                                     "stage again once it is stable")
-
-        async def get() -> bytes:
-            try:
-                resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
-                                              IfMatch=f'"{tag}"', **extra)
-            except OSError as e:
-                if _precondition_failed(e):
-                    raise changed from None
-                raise
-            try:
-                if str(resp.get("ETag", tag)).strip('"') != tag:
-                    raise changed
-                data: bytes = await resp["Body"].read()
-                return data
-            finally:
-                resp["Body"].close()
-
-        result: bytes = sync(self.fs.loop, get)
-        return result
+    def object_reader(self) -> RangeReader:
+        """The client for an object store's bytes, chosen once (obstore where the options map to it, else s3fs)."""
+        with self._reader_lock:
+            if self._reader is None:
+                self._reader = call_with_retry(lambda: s3_reader(self.fs, self.storage_options), self.url,
+                                               self.retry)
+            return self._reader
 
     def local_path(self, rel: str) -> str:
         return self.path_of(rel)
@@ -301,15 +298,6 @@ def _filesystem(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     except TypeError as e:
         raise UsageError(f"bad storage option for {protocol}:// ({e}); see `stagingloader stage --help`") from None
     return fs, path
-
-
-def _precondition_failed(exc: BaseException) -> bool:
-    """An S3 answer 412 (PreconditionFailed): the object is no longer the version asked for."""
-    cause = exc.__cause__ or exc.__context__
-    response = getattr(cause, "response", None) or {}
-    code = response.get("Error", {}).get("Code")
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return code == "PreconditionFailed" or status == 412 or "pre-condition" in str(exc).lower()
 
 
 def _remote_entry(rel: str, info: dict[str, Any]) -> SourceFile:
