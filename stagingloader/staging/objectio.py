@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -231,6 +232,49 @@ class ObstoreReader:
         return S3Store(bucket, config=config, client_options=dict(self.plan.client_options),  # type: ignore[arg-type]
                        retry_config=retry, credential_provider=provider)  # type: ignore[arg-type]
 
+    # listing, shaped as s3fs's ``find``/``info``/``cat_file`` answers, for sources that need no s3fs at all
+    def find(self, path: str, detail: bool = True, withdirs: bool = False) -> dict[str, dict[str, Any]]:
+        """Every object under the prefix ``bucket/prefix`` (as a folder: ``prefix/...``), keyed by its path."""
+        import obstore
+
+        bucket, _, prefix = path.strip("/").partition("/")
+        out: dict[str, dict[str, Any]] = {}
+        try:
+            for batch in obstore.list(self.store(bucket), prefix or None, chunk_size=1000):
+                for meta in batch:
+                    name = f"{bucket}/{meta['path']}"
+                    out[name] = _info(name, meta)
+        except Exception as e:
+            known = translate(e, path, "")
+            if known is e:
+                raise
+            raise known from e
+        return out
+
+    def info(self, path: str) -> dict[str, Any]:
+        import obstore
+
+        bucket, _, key = path.partition("/")
+        try:
+            return _info(path, obstore.head(self.store(bucket), key))
+        except Exception as e:
+            known = translate(e, path, "")
+            if known is e:
+                raise
+            raise known from e
+
+    def cat_file(self, path: str) -> bytes:
+        import obstore
+
+        bucket, _, key = path.partition("/")
+        try:
+            return bytes(obstore.get(self.store(bucket), key).bytes())
+        except Exception as e:
+            known = translate(e, path, "")
+            if known is e:
+                raise
+            raise known from e
+
     def read(self, path: str, start: int, end: int, etag: str) -> Buffer:
         import obstore
 
@@ -253,6 +297,11 @@ class ObstoreReader:
             raise known from e
 
 
+def _info(name: str, meta: Mapping[str, Any]) -> dict[str, Any]:
+    return {"name": name, "size": meta["size"], "type": "file", "LastModified": meta["last_modified"],
+            "ETag": meta.get("e_tag") or "", "VersionId": meta.get("version")}
+
+
 def translate(exc: Exception, path: str, tag: str) -> Exception:
     """An obstore error as the exception the rest of stagingloader knows (see :mod:`.retry`)."""
     from obstore import exceptions as ox
@@ -269,6 +318,8 @@ def translate(exc: Exception, path: str, tag: str) -> Exception:
         return PermissionError(f"AccessDenied: {text}")
     if "connection refused" in low or "dns error" in low or "failed to lookup address" in low:
         return ConnectionRefusedError(f"Could not connect to the endpoint URL ({text})")
+    if "status code: 404" in low:
+        return FileNotFoundError(f"NoSuchBucket or NoSuchKey: {text}")
     status = re.search(r"status code: (4\d\d)", low)
     if status and status.group(1) not in ("408", "429"):
         return SourceError(f"{redact(path)}: {text}")  # a request the server refuses: asking again cannot help
@@ -311,6 +362,55 @@ def s3_reader(fs: Any, options: Mapping[str, Any]) -> RangeReader:
     return ObstoreReader(plan, credentials)
 
 
+def direct_reader(options: Mapping[str, Any], *, environ: Mapping[str, str]) -> ObstoreReader | None:
+    """An obstore reader (and lister) made from the s3fs options alone, without importing s3fs or botocore.
+
+    Only where nothing needs botocore to resolve: the credentials are given (options or fsspec's config, e.g.
+    ``FSSPEC_S3_KEY``) or anonymous, and the endpoint is given or the region is (a bucket on AWS is in the region
+    botocore would find it in only if that was said).  Else None: s3fs lists, and :func:`s3_reader` maps what it
+    resolved.  ``environ`` is the process environment, as botocore would read it.
+    """
+    try:
+        import obstore  # noqa: F401
+    except ImportError:
+        return None
+    import fsspec.config
+
+    merged: dict[str, Any] = {}
+    for proto in ("s3", "s3a"):  # as fsspec applies its config to s3fs's keyword arguments
+        merged.update(fsspec.config.conf.get(proto, {}))
+    merged.update(options)
+    client_kwargs = dict(merged.get("client_kwargs") or {})
+    config_kwargs = dict(merged.get("config_kwargs") or {})
+    key = merged.get("key") or merged.get("username") or client_kwargs.get("aws_access_key_id")
+    secret = merged.get("secret") or merged.get("password") or client_kwargs.get("aws_secret_access_key")
+    token = merged.get("token") or client_kwargs.get("aws_session_token")
+    anon = merged.get("anon") is True
+    if not anon and not (key and secret):
+        return None  # botocore's credential chain: environment, profiles, SSO, instance roles
+    if merged.get("profile") or merged.get("session") or merged.get("version_aware") or merged.get("cache_regions"):
+        return None
+    endpoint = merged.get("endpoint_url") or client_kwargs.get("endpoint_url")
+    region = (client_kwargs.get("region_name") or config_kwargs.get("region_name") or environ.get("AWS_REGION")
+              or environ.get("AWS_DEFAULT_REGION"))
+    if not endpoint and (not region or any(k.startswith("AWS_ENDPOINT_URL") for k in environ)):
+        return None
+    config_file = environ.get("AWS_CONFIG_FILE") or os.path.expanduser("~/.aws/config")
+    if not region and os.path.exists(config_file):
+        return None  # a profile may name the region
+    plan = plan_obstore(options=merged, endpoint_url=endpoint, client_kwargs=client_kwargs,
+                        config_kwargs=config_kwargs, anon=anon, static_credentials=not anon,
+                        requester_pays=bool(merged.get("requester_pays")),
+                        s3_additional_kwargs=dict(merged.get("s3_additional_kwargs") or {}),
+                        use_ssl=merged.get("use_ssl", True) is not False, region=region, resolved_endpoint=None)
+    if isinstance(plan, str):
+        return None
+    frozen = {"access_key_id": str(key or ""), "secret_access_key": str(secret or ""),
+              "token": str(token) if token else None, "expires_at": None}
+    log.debug("listing and reading s3:// through obstore alone (%s)", redact(str(plan.config.get("endpoint", "AWS"))))
+    return ObstoreReader(plan, None if anon else (lambda: frozen))
+
+
 def _session_credentials(fs: Any) -> Callable[[], dict[str, Any]] | None:
     """botocore's credential chain (environment, profile, SSO, instance role), refreshed as botocore refreshes it."""
     from fsspec.asyn import sync
@@ -329,5 +429,5 @@ def _session_credentials(fs: Any) -> Callable[[], dict[str, Any]] | None:
     return provide
 
 
-__all__ = ["Buffer", "ObstorePlan", "ObstoreReader", "RangeReader", "S3fsReader", "plan_obstore",
+__all__ = ["Buffer", "ObstorePlan", "ObstoreReader", "RangeReader", "S3fsReader", "direct_reader", "plan_obstore",
            "precondition_failed", "s3_reader", "translate"]

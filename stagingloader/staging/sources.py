@@ -25,7 +25,7 @@ from ..errors import (
     UnsafePathError,
     UsageError,
 )
-from .objectio import Buffer, RangeReader, s3_reader
+from .objectio import Buffer, ObstoreReader, RangeReader, direct_reader, s3_reader
 from .retry import RetryPolicy, as_source_error, call_with_retry, redact
 
 GLOB_CHARS = "*?["
@@ -86,13 +86,21 @@ class Source:
         self.protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
         self.is_local = self.protocol in ("file", "local")
         self.retry = RetryPolicy()
+        self._reader: RangeReader | None = None
+        self._reader_lock = threading.Lock()
         if self.is_local:
             path = url.split("://", 1)[1] if "://" in url else url
-            self.fs: Any = None
+            self._fs: Any = None
             self.pattern = os.path.abspath(os.path.expanduser(path)) if any(c in path for c in GLOB_CHARS) else ""
             self.base = os.path.realpath(os.path.expanduser(path)) if not self.pattern else ""
         else:
-            self.fs, path = _filesystem(url, self.storage_options)
+            self._given = url  #: for the filesystem, made when first needed
+            direct = direct_reader(self.storage_options, environ=os.environ) if self.protocol in ("s3", "s3a") else None
+            if direct is not None:  # s3fs would only have been asked for its options: it is not even imported
+                self._reader, self._fs = direct, None
+                path = url.split("://", 1)[1].split("?", 1)[0]
+            else:
+                self._fs, path = _filesystem(url, self.storage_options)
             path = path.rstrip("/")
             self.pattern = path if any(c in path for c in GLOB_CHARS) else ""
             self.base = path
@@ -102,8 +110,6 @@ class Source:
             if self.is_local:
                 self.base = os.path.realpath(self.base or ".")
         self._single = False
-        self._reader: RangeReader | None = None
-        self._reader_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable (for worker processes): the reader and its lock are made again where they are used."""
@@ -114,6 +120,20 @@ class Source:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._reader_lock = threading.Lock()
+        if self.protocol in ("s3", "s3a") and self._fs is None:
+            self._reader = direct_reader(self.storage_options, environ=os.environ)
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem (None for a local path); for an S3 source that obstore serves alone, made on first
+        use (writing a manifest, a glob)."""
+        if self._fs is None and not self.is_local:
+            self._fs, _ = _filesystem(self._given, self.storage_options)
+        return self._fs
+
+    def _lister(self) -> Any:
+        """What lists and reads whole objects: obstore when it serves this source alone, else the filesystem."""
+        return self._reader if isinstance(self._reader, ObstoreReader) and self._fs is None else self.fs
 
     @property
     def kind(self) -> str:
@@ -180,11 +200,11 @@ class Source:
                         del found[name]
                         found.update(self.fs.find(name, detail=True, withdirs=False))
                 return found
-            return dict(self.fs.find(self.base, detail=True, withdirs=False))
+            return dict(self._lister().find(self.base, detail=True, withdirs=False))
 
         found = call_with_retry(listing, self.url, self.retry)
         if not found:
-            info = call_with_retry(lambda: self.fs.info(self.base), self.url, self.retry)
+            info = call_with_retry(lambda: self._lister().info(self.base), self.url, self.retry)
             if info.get("type") == "file":
                 self._single = True
                 found = {self.base: info}
@@ -255,7 +275,7 @@ class Source:
             with open(path, "rb") as f:
                 return Manifest.parse(f.read(), path)
         try:
-            raw = call_with_retry(lambda: self.fs.cat_file(path), path, self.retry)
+            raw = call_with_retry(lambda: self._lister().cat_file(path), path, self.retry)
         except SourceNotFoundError:
             return None
         return Manifest.parse(raw, path)

@@ -182,3 +182,16 @@ def test_options_obstore_cannot_map_fall_back_to_s3fs_and_say_so(s3: S3Server, r
     assert s3.secret_key not in caplog.text
     assert {p.name for p in ds.root.iterdir()} == {k.rsplit("/", 1)[1] for k in SMALL}
     assert sl.verify(ds).ok
+
+
+def test_given_credentials_list_and_read_without_s3fs_or_botocore(s3: S3Server, root: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys, stagingloader as sl\n"
+            f"ds = sl.stage('s3://{BUCKET}/ds/s', root={str(root)!r}, storage_options=json.loads(sys.argv[1]))\n"
+            "print(json.dumps([len(ds.files), sl.verify(ds).ok, 's3fs' in sys.modules, 'botocore' in sys.modules]))\n")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(s3.storage_options())], capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).resolve().parents[2])
+    assert json.loads(out.stdout) == [len(SMALL), True, False, False]
