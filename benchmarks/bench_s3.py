@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         idle = {} if a.no_wait else B.wait_for_idle(say=say)
         acct = B.CpuAccount([srv.proc.pid] if getattr(srv, "proc", None) else [])
         creds = ["-o", 'client_kwargs={"region_name": "us-east-1"}']
-        env = {**os.environ, "FSSPEC_S3_KEY": opts["key"], "FSSPEC_S3_SECRET": opts["secret"],  # stagingloader
+        env = {**os.environ, "PYTHONPATH": str(B.REPO),  # this checkout's stagingloader, whatever the venv's is
+               "FSSPEC_S3_KEY": opts["key"], "FSSPEC_S3_SECRET": opts["secret"],  # stagingloader
                "AWS_ACCESS_KEY_ID": opts["key"], "AWS_SECRET_ACCESS_KEY": opts["secret"],  # s5cmd
                "AWS_REGION": "us-east-1", "RCLONE_S3_PROVIDER": "Other", "RCLONE_S3_ENDPOINT": srv.endpoint_url,
                "RCLONE_S3_ACCESS_KEY_ID": opts["key"], "RCLONE_S3_SECRET_ACCESS_KEY": opts["secret"],
