@@ -1,12 +1,14 @@
 """The bytes of ``s3://`` objects: ranged GETs that run off the GIL, pinned to the object version the listing saw.
 
-Users give s3fs their URL and options (``storage_options``, ``--endpoint-url``, ``-o KEY=VALUE``, the environment);
-s3fs lists the source.  The bytes come through ``obstore`` (Rust: signing, HTTP and the body never hold the GIL, so
-the copy threads overlap for real) when every option the user gave has an obstore equivalent
-(:func:`plan_obstore`); otherwise, or when obstore is not installed, through s3fs as before, said in one log line.
-Measured on 2 cores against the same SeaweedFS server (docs/benchmarks.md, "S3 clients"): 2,000 x 100 KiB GETs
-with 32 threads took 3.8 s through obstore against 8.3 s through s3fs's event loop, with a fifth of the client
-CPU; 4 x 256 MiB in 8 MiB ranges 1.6 s against 2.5 s.
+Users give s3fs their URL and options (``storage_options``, ``--endpoint-url``, ``-o KEY=VALUE``, the environment).
+Where the credentials and the endpoint (or region) are given, obstore lists and reads alone (:func:`direct_reader`:
+s3fs and botocore are never imported); else s3fs lists, and the bytes come through ``obstore`` (Rust: signing, HTTP
+and the body never hold the GIL, so the copy threads overlap for real) when every option the user gave has an
+obstore equivalent (:func:`plan_obstore`); otherwise, or when obstore is not installed, through s3fs as before, said
+in one log line.
+Measured on 2 cores against the same SeaweedFS server (``benchmarks/bench_s3_clients.py``, docs/benchmarks.md):
+2,000 x 100 KiB GETs, 32 in flight, took 5.0 s through obstore against 10.9 s through s3fs's event loop, with
+0.9 CPU-s of client work against 4.8; 4 x 256 MiB in 8 MiB ranges 3.4 s against 4.1 s.
 
 Whichever client reads, a range of an object listed with an ETag is read with ``If-Match`` of that ETag (and the
 version id where the bucket keeps versions), and the ETag of the answer is checked too: an object replaced
