@@ -5,7 +5,8 @@
   next epoch's), so the copy stays ahead of every reader; until a reader publishes an order, listing order.
 - Without a cache limit, rows no reader asked for follow in listing order, and the run ends when all are ready.
 - Under a cache limit a row is copied only if it fits, after evicting ready rows whose next use is further away
-  than its own (Belady's rule: the row used furthest in the future, or never, goes first).  Rows inside a reader's
+  than its own (Belady's rule: the row used furthest in the future, or never, goes first; the choice is
+  :func:`.eviction.choose_victims`, a row's next use its place in the merged order).  Rows inside a reader's
   window (its next ``window`` rows), urgent rows and rows being copied are never evicted.  The window grows with
   the measured read rate: the rows a reader consumes in ``WINDOW_SECONDS``.
 """
@@ -20,10 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from .eviction import NEVER, choose_victims
 from .stream import merge_orders
 
 Rows = npt.NDArray[np.int64]
-NEVER = np.iinfo(np.int64).max  #: the next use of a row no reader will read
 MIN_WINDOW = 8
 WINDOW_SECONDS = 2.0
 SCAN = 4096
@@ -224,16 +225,15 @@ class Schedule:
         return tuple(int(v) for v in victims)
 
     def _furthest(self, candidates: Rows, need: int) -> Rows | None:
-        """The fewest of ``candidates``, furthest next use first (then the highest row), that free ``need`` bytes."""
+        """The fewest of ``candidates`` that free ``need`` bytes, furthest next use first (eviction's Belady rule,
+        :func:`~.eviction.choose_victims`), looked for among the furthest few first; None if all of them do not."""
         k = min(len(candidates), 64)
         while True:
             part = np.argpartition(-self.rank[candidates], k - 1)[:k] if k < len(candidates) else slice(None)
             top = candidates[part]
-            top = top[np.lexsort((-top, -self.rank[top]))]
-            freed = np.cumsum(self.sizes[top])
-            enough = int(np.searchsorted(freed, need))
-            if enough < len(top):
-                return top[:enough + 1]
+            victims = choose_victims(next_use=self.rank, resident=top, sizes=self.sizes, need_bytes=need)
+            if int(self.sizes[victims].sum()) >= need:
+                return victims
             if k >= len(candidates):
                 return None
             k = min(len(candidates), k * 8)
