@@ -105,15 +105,9 @@ class Schedule:
         self._stale = True
 
     def add_urgent(self, reader: str, rows: Rows) -> None:
-        """A reader is blocked on ``rows``: copy them next; the reader is at least as far as the first of them."""
-        order = self.orders.get(reader)
-        for row in rows.tolist():
-            self.urgent.append(int(row))
-            if order is not None:
-                at = self.pos.get(reader, 0)
-                hits = np.flatnonzero(order[at:] == row)
-                if len(hits):
-                    self.set_position(reader, at + int(hits[0]))
+        """A reader is blocked on ``rows``: copy them next.  (Its position is not inferred from them: a loader's
+        workers read ahead of what training consumes, so only its ``pos-`` file says where it is.)"""
+        self.urgent.extend(int(row) for row in rows.tolist())
 
     # ---- what the copier says ------------------------------------------------------------------------------
     def done(self, rows: Iterable[int], clock: float | None = None) -> None:
