@@ -35,7 +35,7 @@ from typing import Any, TextIO
 from ..cache import leases, trust
 from ..cache.locking import DatasetLock
 from ..cache.manifest import Entry
-from ..errors import InternalError, StagingError
+from ..errors import InternalError, NoSpaceError, StagingError
 from ..units import human_bytes
 from .copier import Copier, CopySettings
 from .result import StagedDataset
@@ -234,18 +234,25 @@ class _StreamRun:
             log.info("stopped (%s); the next stage of %s resumes", self.stopped_why, run.source.url)
 
     def _limit(self, ready_bytes: int) -> int | None:
-        """The cache limit: the one asked for, or, where the dataset does not fit the tier, what the tier holds."""
+        """The cache limit: the one asked for, or, where the dataset does not fit the tier, what the tier holds.
+        One that cannot hold the largest file is refused (NoSpaceError)."""
         run, plan = self.run_, self.lp.plan
         room = ready_bytes + (plan.free_bytes or 0)
         want = self.req.cache_limit
         if want is None and plan.fits:
             return None
-        if want is None or want > room:
-            run.say(f"{run.source.url} needs {human_bytes(sum(f.size for f in run.listing))}; "
-                    f"streaming it through a cache limit of {human_bytes(room)} (what {run.tier.describe()} holds): "
-                    "this version is never published complete")
-            return room
-        return want
+        limit = room if want is None or want > room else want
+        total = sum(f.size for f in run.listing)
+        largest = max((f.size for f in run.listing), default=0)
+        if limit < largest:
+            raise NoSpaceError(
+                f"{run.source.url} cannot stream through {human_bytes(limit)} on {run.tier.describe()}: its largest "
+                f"file is {human_bytes(largest)}. Free space (stagingloader gc --keep-bytes N), raise "
+                "--max-ram-fraction for tmpfs, or pick a bigger --root or --cache-limit")
+        if limit < total:
+            run.say(f"{run.source.url} ({human_bytes(total)}) streams through a cache limit of {human_bytes(limit)} "
+                    f"on {run.tier.describe()}: this version is never published complete")
+        return limit
 
     def _publish(self) -> None:
         run, lp = self.run_, self.lp
