@@ -24,7 +24,7 @@ import stagingloader as sl
 from stagingloader.cache.layout import DatasetDir
 from stagingloader.staging import stream
 from tests.conftest import cli_json, mounted_tmpfs
-from tests.support.faultproxy import FaultProxy
+from tests.support.faultproxy import Bandwidth, FaultProxy
 from tests.support.s3server import S3Server
 from tests.support.trees import content, make_tree
 
@@ -276,6 +276,7 @@ def test_release_stops_the_stager_and_the_next_stage_resumes(s3: S3Server, root:
         assert state is not None and state.state == "copying" and "stopped" in (state.error or "")
         with pytest.raises(sl.StagerFailedError, match="gone"):
             ds.stream.wait()
-        done = sl.stage(f"s3://{BUCKET}/ds", root=str(root), storage_options=s3.storage_options())
+        proxy.link = Bandwidth(None)
+        done = sl.stage(f"s3://{BUCKET}/ds", root=str(root), storage_options=opts)  # the same source, resumed
     assert done.report is not None and 0 < done.report.copied_files < len(FILES)
     assert sl.verify(done).ok
