@@ -280,3 +280,25 @@ def test_release_stops_the_stager_and_the_next_stage_resumes(s3: S3Server, root:
         done = sl.stage(f"s3://{BUCKET}/ds", root=str(root), storage_options=opts)  # the same source, resumed
     assert done.report is not None and 0 < done.report.copied_files < len(FILES)
     assert sl.verify(done).ok
+
+
+def test_the_stager_stops_when_its_lease_is_released(s3: S3Server, root: Path) -> None:
+    src = f"s3://{BUCKET}/ds"
+    with _proxy(s3) as proxy:
+        gate = threading.Event()
+        proxy.hold("/ds/", after=0, action=lambda: gate.wait(60))
+        creds = ["--endpoint-url", proxy.endpoint_url, "-o", f"key={s3.access_key}", "-o",
+                 f"secret={s3.secret_key}", "-o", "client_kwargs={\"region_name\": \"us-east-1\"}"]
+        try:
+            out = cli_json("stage", src, "--root", str(root), "--no-wait", "--lease", "job-9", *creds)
+            sdir = Path(out["stream_dir"])
+            assert _state(sdir).alive
+            cli_json("release", src, "--root", str(root), "--lease", "job-9", *creds)  # what the epilog does
+            # it stops while every read it started still hangs at the source: the poller does not wait on them
+            _until(lambda: "lease job-9 is gone" in (_state(sdir).error or ""), "the stager to see its lease gone")
+        finally:
+            gate.set()
+        _until(lambda: not _state(sdir).alive, "the stager to end")
+    state = _state(sdir)
+    assert state.state == "copying" and "lease job-9 is gone" in (state.error or "")
+    assert DatasetDir(Path(out["dataset_dir"])).current() is None
