@@ -118,6 +118,12 @@ class StagerFailedError(StagingError, RuntimeError):
     again resumes it."""
 
 
+class StageTimeoutError(StagingError, TimeoutError):
+    """``StagedDataset.wait(timeout=...)`` ran out of time before the streaming stage was published."""
+
+    exit_code = ExitCode.LOCK_TIMEOUT
+
+
 class InternalError(StagingError, RuntimeError):
     """A check of stagingloader's own consistency failed: a bug, to report with the message."""
 

@@ -208,6 +208,12 @@ def write_order(sdir: Path, reader: str, rows: Iterable[int] | npt.ArrayLike) ->
     atomic_write(sdir / f"order-{reader}", _rows(rows), mode=0o644)
 
 
+def write_position(sdir: Path, reader: str, consumed: int) -> None:
+    """Replace ``pos-<reader>``: how many rows of the reader's current order file it has consumed so far."""
+    _check_reader(reader)
+    atomic_write(sdir / f"pos-{reader}", _rows([int(consumed)]), mode=0o644)
+
+
 def append_urgent(sdir: Path, reader: str, rows: Iterable[int] | npt.ArrayLike) -> bool:
     """Append ``rows`` to ``urgent-<reader>`` (one ``O_APPEND`` write); False if the stream folder is gone
     (the run was published: every row is ready)."""
@@ -228,7 +234,7 @@ def append_urgent(sdir: Path, reader: str, rows: Iterable[int] | npt.ArrayLike) 
 def remove_reader(sdir: Path, reader: str) -> None:
     """A reader that is done removes its order and urgent files (the stager then forgets it)."""
     _check_reader(reader)
-    for name in (f"order-{reader}", f"urgent-{reader}"):
+    for name in (f"order-{reader}", f"urgent-{reader}", f"pos-{reader}"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(sdir / name)
 
@@ -241,6 +247,7 @@ def _check_reader(reader: str) -> None:
 @dataclass
 class _Seen:
     key: tuple[int, int, int] = (0, 0, 0)  # (inode, size, mtime_ns) of the order file last read
+    pos_key: tuple[int, int, int] = (0, 0, 0)  # the same, of the position file
     offset: int = 0  # bytes of the urgent file already read
 
 
@@ -249,13 +256,15 @@ class RequestReader:
 
     Files are opened without following links (``O_NOFOLLOW`` under a descriptor of the folder) and used only if
     they are regular files owned by one of ``owners`` (default: this process's user and root); rows outside
-    ``[0, n_rows)`` are dropped.  ``poll()`` returns the orders that changed and the urgent rows appended since."""
+    ``[0, n_rows)`` are dropped.  ``poll()`` returns the orders that changed, the urgent rows appended since, and
+    the readers whose files are gone; ``positions`` holds each reader's last ``pos-`` value (rows consumed)."""
 
     def __init__(self, sdir: Path, n_rows: int, *, owners: frozenset[int] | None = None) -> None:
         self.sdir = sdir
         self.n_rows = n_rows
         self.owners = owners if owners is not None else trust.trusted_owners()
         self._seen: dict[str, _Seen] = {}
+        self.positions: dict[str, int] = {}
 
     def poll(self) -> tuple[dict[str, Rows], dict[str, Rows], set[str]]:
         """``(changed orders by reader, new urgent rows by reader, readers gone)``."""
@@ -266,11 +275,11 @@ class RequestReader:
         except OSError:
             return orders, urgent, set()
         try:
-            names = os.listdir(dfd)
+            names = sorted(os.listdir(dfd))  # order- before pos-: a new order resets, then its position counts
             present = set()
             for name in names:
                 kind, _, reader = name.partition("-")
-                if kind not in ("order", "urgent") or not reader or reader.startswith("."):
+                if kind not in ("order", "urgent", "pos") or not reader or reader.startswith("."):
                     continue
                 present.add(reader)
                 seen = self._seen.setdefault(reader, _Seen())
@@ -278,6 +287,9 @@ class RequestReader:
                     got = self._read_order(dfd, name, seen)
                     if got is not None:
                         orders[reader] = got
+                        self.positions.pop(reader, None)  # a new order starts at its first row
+                elif kind == "pos":
+                    self._read_pos(dfd, name, seen, reader)
                 else:
                     rows = self._read_urgent(dfd, name, seen)
                     if rows is not None and len(rows):
@@ -285,6 +297,7 @@ class RequestReader:
             gone = {r for r in self._seen if r not in present}
             for r in gone:
                 del self._seen[r]
+                self.positions.pop(r, None)
             return orders, urgent, gone
         finally:
             os.close(dfd)
@@ -302,13 +315,13 @@ class RequestReader:
             return None
         return fd, st
 
-    def _read_order(self, dfd: int, name: str, seen: _Seen) -> Rows | None:
+    def _read_changed(self, dfd: int, name: str,
+                      last: tuple[int, int, int]) -> tuple[bytes, tuple[int, int, int]] | None:
         try:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
             return None
-        key = (st.st_ino, st.st_size, st.st_mtime_ns)
-        if key == seen.key:
+        if (st.st_ino, st.st_size, st.st_mtime_ns) == last:
             return None
         opened = self._open(dfd, name)
         if opened is None:
@@ -318,8 +331,21 @@ class RequestReader:
             data = _read_all(fd, st.st_size)
         finally:
             os.close(fd)
-        seen.key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        return data, (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _read_order(self, dfd: int, name: str, seen: _Seen) -> Rows | None:
+        got = self._read_changed(dfd, name, seen.key)
+        if got is None:
+            return None
+        data, seen.key = got
         return self._bounded(data)
+
+    def _read_pos(self, dfd: int, name: str, seen: _Seen, reader: str) -> None:
+        got = self._read_changed(dfd, name, seen.pos_key)
+        if got is None or len(got[0]) < 8:
+            return
+        data, seen.pos_key = got
+        self.positions[reader] = max(0, int(np.frombuffer(data[:8], dtype=ROW)[0]))
 
     def _read_urgent(self, dfd: int, name: str, seen: _Seen) -> Rows | None:
         opened = self._open(dfd, name)

@@ -118,3 +118,17 @@ def test_merge_interleaves_readers_by_position() -> None:
     assert stream.merge_orders([a, b]).tolist() == [5, 7, 1, 2, 3, 9]
     assert stream.merge_orders([]).tolist() == []
     assert stream.merge_orders([np.array([2, 2, 1], dtype=np.int64)]).tolist() == [2, 1]
+
+
+def test_positions_are_read_and_reset_by_a_new_order(tmp_path: Path) -> None:
+    _, sdir = _ddir(tmp_path)
+    rr = stream.RequestReader(sdir, n_rows=10)
+    stream.write_order(sdir, "r0-1", [1, 2, 3])
+    stream.write_position(sdir, "r0-1", 2)
+    rr.poll()
+    assert rr.positions == {"r0-1": 2}
+    stream.write_order(sdir, "r0-1", [4, 5])
+    rr.poll()
+    assert "r0-1" not in rr.positions  # a new epoch's order starts at 0 until the reader says otherwise
+    stream.remove_reader(sdir, "r0-1")
+    assert sorted(os.listdir(sdir)) == []
