@@ -301,6 +301,9 @@ def cmd_plan(args: argparse.Namespace) -> Result:
             print(f"  - {r}")
         if plan.command:
             print(f"run: {plan.command}")
+        if plan.streaming:
+            print(f"\nstreaming ({plan.streaming['choice']}): {plan.streaming['message']}")
+            print(f"run: {plan.streaming['command']}")
     return ExitCode.OK, {"ok": True, "facts": {**facts.__dict__, "tiers": [t.__dict__ for t in facts.tiers]},
                          **plan.to_dict(), "notes": notes}
 
