@@ -196,17 +196,22 @@ class Schedule:
 
     def _make_room(self, row: int, *, beat: int) -> tuple[int, ...] | None:
         """Rows to evict so that ``row`` fits, each used later than ``beat`` (-1: any evictable row); None if the
-        cache cannot make room on those terms (then ``row`` waits)."""
+        cache cannot make room on those terms (then ``row`` waits).  The readers' windows are kept, but never more
+        than half the cache; an urgent row (``beat`` -1) that still does not fit may take a window row, furthest
+        first, rather than wait for ever."""
         if self.limit is None:
             return ()
         need = self.cached_bytes + self.inflight_bytes + int(self.sizes[row]) - self.limit
         if need <= 0:
             return ()
-        protect = self.window * max(1, len(self.orders))
-        candidates = np.flatnonzero(self.ready & (self.rank >= protect) & (self.rank > beat))
-        if not len(candidates):
-            return None
-        victims = self._furthest(candidates, need)
+        mean = max(1.0, float(self.sizes.mean())) if len(self.sizes) else 1.0
+        protect = min(self.window * max(1, len(self.orders)), int(self.limit / (2 * mean)))
+        victims = None
+        for keep in (protect, 0) if beat < 0 else (protect,):
+            candidates = np.flatnonzero(self.ready & (self.rank >= keep) & (self.rank > beat))
+            victims = self._furthest(candidates, need) if len(candidates) else None
+            if victims is not None:
+                break
         if victims is None:
             return None
         self.ready[victims] = False

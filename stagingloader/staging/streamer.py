@@ -35,7 +35,7 @@ from typing import Any, TextIO
 from ..cache import leases, trust
 from ..cache.locking import DatasetLock
 from ..cache.manifest import Entry
-from ..errors import InternalError, StagingError
+from ..errors import InternalError, NoSpaceError, StagingError
 from ..units import human_bytes
 from .copier import Copier, CopySettings
 from .result import StagedDataset
@@ -191,6 +191,10 @@ class _StreamRun:
         self.row_of = {f.rel: i for i, f in enumerate(self.listing)}
         self.done_q: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self.wake = threading.Event()
+        self.lock = threading.Lock()  #: the schedule: the feed (copier's dispatcher) and the poller share it
+        self.req_lock = threading.Lock()  #: the request reader, polled by both
+        self._done = threading.Event()
+        self._poll_error: BaseException | None = None
         self.start_time = process_start(os.getpid())
         self.lease: str | None = None
         self.stopped_why = ""
@@ -218,10 +222,18 @@ class _StreamRun:
         _log_to(self.sdir / "stager.log")
         settings = CopySettings(workers=run.workers, fsync=lp.incoming.fsync, small_batch_files=1)
         copier = Copier(run.source, lp.incoming, settings, expected=lp.expected, stop=self.stop)
+        poller = threading.Thread(target=self._poll_loop, name="stagingloader-stream-poll", daemon=True)
+        poller.start()
         try:
             copier.run(self._files())
-            self._collect()
+            self._done.set()
+            poller.join()
+            if self._poll_error is not None:
+                raise self._poll_error
+            with self.lock:
+                self._collect()
         except BaseException as e:
+            self._done.set()
             with contextlib.suppress(OSError):
                 lp.incoming.close()
             self._write_state(FAILED, force=True, error=_one_line(e))
@@ -234,18 +246,25 @@ class _StreamRun:
             log.info("stopped (%s); the next stage of %s resumes", self.stopped_why, run.source.url)
 
     def _limit(self, ready_bytes: int) -> int | None:
-        """The cache limit: the one asked for, or, where the dataset does not fit the tier, what the tier holds."""
+        """The cache limit: the one asked for, or, where the dataset does not fit the tier, what the tier holds.
+        One that cannot hold the largest file is refused (NoSpaceError)."""
         run, plan = self.run_, self.lp.plan
         room = ready_bytes + (plan.free_bytes or 0)
         want = self.req.cache_limit
         if want is None and plan.fits:
             return None
-        if want is None or want > room:
-            run.say(f"{run.source.url} needs {human_bytes(sum(f.size for f in run.listing))}; "
-                    f"streaming it through a cache limit of {human_bytes(room)} (what {run.tier.describe()} holds): "
-                    "this version is never published complete")
-            return room
-        return want
+        limit = room if want is None or want > room else want
+        total = sum(f.size for f in run.listing)
+        largest = max((f.size for f in run.listing), default=0)
+        if limit < largest:
+            raise NoSpaceError(
+                f"{run.source.url} cannot stream through {human_bytes(limit)} on {run.tier.describe()}: its largest "
+                f"file is {human_bytes(largest)}. Free space (stagingloader gc --keep-bytes N), raise "
+                "--max-ram-fraction for tmpfs, or pick a bigger --root or --cache-limit")
+        if limit < total:
+            run.say(f"{run.source.url} ({human_bytes(total)}) streams through a cache limit of {human_bytes(limit)} "
+                    f"on {run.tier.describe()}: this version is never published complete")
+        return limit
 
     def _publish(self) -> None:
         run, lp = self.run_, self.lp
@@ -259,18 +278,22 @@ class _StreamRun:
 
     # ---- the feed: what the copier copies next -----------------------------------------------------------
     def _files(self) -> Iterator[SourceFile]:
+        """What the copier copies next (its dispatcher pulls this when a slot frees)."""
         sched = self.sched
         while not self.stop.is_set():
-            self._poll()
-            if sched.finished:
-                return
-            pick = sched.next()
+            self._take_requests()  # the freshest order and urgent rows decide this pick
+            with self.lock:
+                self._collect()
+                if sched.finished:
+                    return
+                pick = sched.next()
+                if pick is not None:
+                    for row in pick.evict:
+                        trust.unlink_under(self.lp.incoming.data, self.listing[row].rel)
             if pick is None:
                 self.wake.wait(POLL_SECONDS)
                 self.wake.clear()
                 continue
-            for row in pick.evict:
-                trust.unlink_under(self.lp.incoming.data, self.listing[row].rel)
             yield self.listing[pick.row]
 
     def _recorded(self, entries: list[Entry]) -> None:  # copier threads
@@ -285,24 +308,46 @@ class _StreamRun:
         if rows:
             self.sched.done(rows)
 
+    def _poll_loop(self) -> None:
+        """The readers' requests, the state file and the lease, every POLL_SECONDS, whatever the copier waits on."""
+        try:
+            while not self._done.wait(POLL_SECONDS):
+                self._poll()
+        except BaseException as e:  # re-raised by run()
+            self._poll_error = e
+            self.stop.set()
+
+    def _take_requests(self) -> bool:
+        """Read the readers' files into the schedule; True if anything changed."""
+        with self.req_lock:
+            orders, urgent, gone = self.requests.poll()
+            positions = dict(self.requests.positions)
+        with self.lock:
+            for reader in gone:
+                self.sched.forget(reader)
+            for reader, rows in orders.items():
+                self.sched.set_order(reader, rows)
+            for reader, consumed in positions.items():
+                self.sched.set_position(reader, consumed)
+            for reader, rows in urgent.items():
+                self.sched.add_urgent(reader, rows)
+        return bool(orders or urgent or gone)
+
     def _poll(self) -> None:
-        self._collect()
-        orders, urgent, gone = self.requests.poll()
-        for reader in gone:
-            self.sched.forget(reader)
-        for reader, rows in orders.items():
-            self.sched.set_order(reader, rows)
-        for reader, consumed in self.requests.positions.items():
-            self.sched.set_position(reader, consumed)
-        for reader, rows in urgent.items():
-            self.sched.add_urgent(reader, rows)
-        self._write_state(COPYING)
+        if self._take_requests():
+            self.wake.set()
+        with self.lock:
+            self._collect()
+            self._write_state(COPYING)
         now = time.monotonic()
         if now - self._last_lease >= LEASE_SECONDS:
             self._last_lease = now
             if self.lease and not any(lease.name == self.lease for lease in leases.live(self.run_.ddir)):
                 self.stopped_why = f"its lease {self.lease} is gone (its holder ended or released it)"
+                log.info("stopping: %s", self.stopped_why)
                 self.stop.set()
+                with self.lock:
+                    self._write_state(COPYING, force=True, error=f"stopping: {self.stopped_why}")
 
     def _write_state(self, state: str, *, force: bool = False, error: str | None = None) -> None:
         now = time.monotonic()
