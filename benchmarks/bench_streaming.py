@@ -170,7 +170,7 @@ def main() -> None:
                 say(f"{source} {kind} (load {os.getloadavg()[0]:.2f})")
                 r = train(kind, a, src=src, so=so, raw=raw, tag=tag, max_batches=max_batches)
                 r.update(source=source)
-                say(json.dumps({k: v for k, v in r.items() if k != "stderr_tail"}))
+                say(json.dumps(r))
                 results.append(r)
     rows = []
     for r in results:

@@ -87,11 +87,14 @@ def _peer_env(so: dict[str, Any]) -> None:
 
 
 def _upload(local: Path, remote: str, so: dict[str, Any]) -> None:
-    import s3fs
+    """Put the peer's shards under ``remote`` with boto3 (what their venv has), through the same endpoint."""
+    import boto3
 
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, **so)
+    s3 = boto3.client("s3", endpoint_url=so["endpoint_url"], aws_access_key_id=so["key"],
+                      aws_secret_access_key=so["secret"], region_name="us-east-1")
+    bucket, _, prefix = remote.removeprefix("s3://").partition("/")
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
-        fs.put_file(str(path), f"{remote.removeprefix('s3://')}/{path.relative_to(local)}")
+        s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(local)}")
 
 
 def run_peer(a: argparse.Namespace, out: dict[str, Any]) -> None:
@@ -128,7 +131,12 @@ def run_peer(a: argparse.Namespace, out: dict[str, Any]) -> None:
         loader = torch.utils.data.DataLoader(ds, batch_size=a.batch, num_workers=a.workers)
     else:
         import litdata
+        import litdata.streaming.downloader as ld
         from litdata.streaming.resolver import Dir
+
+        # litdata downloads with obstore, which refuses an http:// endpoint unless told; it has no public knob
+        # for it (AWS_ALLOW_HTTP is not read when litdata passes its own config): add it to its client options
+        ld._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"  # type: ignore[index]
 
         def transform(s: dict[str, Any]) -> Any:
             return np.frombuffer(s["x"], dtype=np.uint8).copy(), s["y"]
