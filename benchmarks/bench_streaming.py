@@ -79,7 +79,8 @@ def local_source(raw: Path, mnt: Path, *, rate: int, latency: float) -> Iterator
 
 
 @contextlib.contextmanager
-def s3_source(raw: Path, prefix: str, *, rate: int, say: Any) -> Iterator[tuple[str, dict[str, Any] | None]]:
+def s3_source(raw: Path, prefix: str, *, rate: int, say: Any, upload: bool = True
+              ) -> Iterator[tuple[str, dict[str, Any] | None]]:
     import s3fs
 
     from tests.support.faultproxy import FaultProxy
@@ -89,7 +90,7 @@ def s3_source(raw: Path, prefix: str, *, rate: int, say: Any) -> Iterator[tuple[
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **srv.storage_options())
         fs.mkdir(BUCKET)
         t0 = time.perf_counter()
-        files = sorted(p for p in raw.rglob("*.bin"))
+        files = sorted(p for p in raw.rglob("*.bin")) if upload else []  # the peers upload their own shards
         for i in range(0, len(files), 2000):  # s3fs uploads a batch concurrently
             fs.pipe({f"{BUCKET}/{prefix}/{p.relative_to(raw)}": p.read_bytes() for p in files[i : i + 2000]})
         say(f"uploaded {len(files)} objects to SeaweedFS in {time.perf_counter() - t0:.0f} s (not rate-limited)")
@@ -162,7 +163,8 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for source in a.sources.split(","):
         ctx = (local_source(raw, work / "mnt", rate=a.rate, latency=a.open_latency) if source == "local"
-               else s3_source(raw, f"ds-{tag}", rate=a.rate, say=say))
+               else s3_source(raw, f"ds-{tag}", rate=a.rate, say=say,
+                              upload=bool({"stream", "full"} & set(a.kinds.split(",")))))
         with ctx as (src, so):
             for kind in a.kinds.split(","):
                 if kind in ("mosaic", "litdata") and source != "s3":
