@@ -27,7 +27,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +58,7 @@ class CopySettings:
     range_size: int = 8 << 20  #: large files are split into ranges of this size
     large_threshold: int = 32 << 20  #: files above this size are copied by ranges
     fsync: bool = False
+    small_batch_files: int = SMALL_BATCH_FILES  #: small files per task (a streaming run takes 1: no file waits)
 
 
 class Progress:
@@ -229,8 +230,9 @@ class Copier:
         self._gate = _Gate(settings.workers, adaptive=source.is_local)
 
     # ---- driver ----------------------------------------------------------------------------
-    def run(self, files: Sequence[SourceFile]) -> None:
-        """Copy ``files``; on the first failure stop, clean up, and raise it."""
+    def run(self, files: Iterable[SourceFile]) -> None:
+        """Copy ``files``, pulled lazily (a generator may pick each next file when a slot frees); on the first
+        failure stop, clean up, and raise it."""
         s = self.settings
         slots = _Slots(s.workers + min(s.workers, 4), s.range_size)
         futures: set[Future[None]] = set()
@@ -252,7 +254,7 @@ class Copier:
         if self._error is not None:
             raise self._error
 
-    def _tasks(self, files: Sequence[SourceFile]) -> Iterator[tuple[Any, ...]]:
+    def _tasks(self, files: Iterable[SourceFile]) -> Iterator[tuple[Any, ...]]:
         """Small files in batches (one task, one buffer, one progress update for many files); large ones by range."""
         s = self.settings
         batch: list[SourceFile] = []
@@ -263,7 +265,7 @@ class Copier:
             if f.size <= s.large_threshold:
                 batch.append(f)
                 batch_bytes += f.size
-                if len(batch) >= SMALL_BATCH_FILES or batch_bytes >= SMALL_BATCH_BYTES:
+                if len(batch) >= s.small_batch_files or batch_bytes >= SMALL_BATCH_BYTES:
                     yield ("files", batch)
                     batch, batch_bytes = [], 0
                 continue
