@@ -141,10 +141,8 @@ class StagedArrays(Dataset[Any]):
         return self.stream is not None
 
     def stream_rows(self, samples: np.ndarray) -> np.ndarray:
-        """The stream's rows of the files holding these samples, in the samples' order (runs of one file merged)."""
+        """The stream's row (index into its listing) of the file holding each of these samples."""
         which = np.searchsorted(self._starts, np.asarray(samples, dtype=np.int64), side="right") - 1
-        if len(which) > 1:
-            which = which[np.concatenate(([True], which[1:] != which[:-1]))]
         return self._file_rows[which] if self._file_rows.size else which
 
     def ready_path(self, f: int) -> str:

@@ -6,7 +6,10 @@ deterministically: for a ``RandomSampler`` with a generator, from a copy of that
 epoch's draws (and the one draw torch makes between epochs for the workers' seed); for a ``DistributedSampler``,
 from its seed and ``epoch + 1``; for sequential order, the same again.  Samples map to the stream's rows through
 the dataset (``stream_rows``: a file per sample, or the ``.npy`` file holding a row), and the loader writes
-``order-r<rank>-<pid>``: this epoch's remaining rows, then the next epoch's.
+``order-r<rank>-<pid>``: this epoch's remaining rows, then the next epoch's (runs of one row merged: consecutive
+rows of one ``.npy`` file are one read of it).  As batches reach the training loop it rewrites ``pos-r<rank>-<pid>``
+(rows of that order consumed), at most every :data:`POSITION_EVERY_S`, so the stager knows which files are behind
+the reader and may be evicted under a cache limit (the workers read ahead of it: the position is conservative).
 
 Orders that cannot be known ahead are left out, never guessed: without a generator the next epoch's seed comes
 from the global RNG the training step also draws from (this epoch's order is still written), and samplers of
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -28,6 +32,8 @@ from ..staging import stream
 from .epoch import RandomSampler, chunks_of, draw
 
 log = logging.getLogger("stagingloader.loader")
+
+POSITION_EVERY_S = 0.1  #: the reader's position is rewritten at most this often (and at each epoch start)
 
 
 def random_order(sampler: RandomSampler, start: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
@@ -76,6 +82,14 @@ def epoch_orders(index_iter: Any, between: int, batch_sampler: Any = None,
     return None
 
 
+def merge_runs(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` with runs of one row merged, and where each kept row's run starts in ``rows``."""
+    if len(rows) < 2:
+        return rows, np.arange(len(rows), dtype=np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], rows[1:] != rows[:-1])))
+    return rows[starts], starts.astype(np.int64)
+
+
 class OrderPublisher:
     """Writes a loader's order file for a streaming dataset at each epoch start; removes it on close."""
 
@@ -83,6 +97,10 @@ class OrderPublisher:
         self.dataset = dataset
         self._written: tuple[Any, str] | None = None  # (stream folder, reader) of the file written
         self._said = False
+        self._run_starts = np.zeros(0, dtype=np.int64)  # where each row of the order begins, in this epoch's samples
+        self._consumed = 0  # samples of this epoch's remaining order the loop has taken
+        self._pos_at = 0.0  # when the position was last written
+        self._last: Any = None  # the dataset's stream reader when the order was last written
 
     @staticmethod
     def wanted(dataset: Any) -> bool:
@@ -91,7 +109,7 @@ class OrderPublisher:
     def publish(self, index_iter: Any, *, between: int, batch_sampler: Any = None) -> np.ndarray | None:
         """Write this epoch's remaining rows and the next epoch's; the rows written, or None (nothing to tell)."""
         ds = self.dataset
-        reader = ds.stream
+        reader = self._last = ds.stream
         if not ds.refresh() or reader is None:  # published meanwhile: every file is local
             self.close()
             return None
@@ -104,19 +122,50 @@ class OrderPublisher:
                          .__name__)
             return None
         this, nxt = orders
-        rows: np.ndarray = np.asarray(ds.stream_rows(this), dtype=np.int64)
+        rows, self._run_starts = merge_runs(np.asarray(ds.stream_rows(this), dtype=np.int64))
         if nxt is not None:
-            rows = np.concatenate([rows, ds.stream_rows(nxt)])
+            rows = np.concatenate([rows, merge_runs(np.asarray(ds.stream_rows(nxt), dtype=np.int64))[0]])
         try:
             stream.write_order(reader.sdir, reader.reader, rows)
+            stream.write_position(reader.sdir, reader.reader, 0)
         except FileNotFoundError:  # the stream folder went with incoming: published
             return None
+        except PermissionError:  # another user's shared copy: its stager follows its own order
+            if not self._said:
+                self._said = True
+                log.info("%s: the stream folder is not this user's; the stager is not told this loader's order",
+                         reader.name)
+            return None
         self._written = (reader.sdir, reader.reader)
+        self._consumed, self._pos_at = 0, time.monotonic()
         return rows
 
+    def advance(self, samples: int) -> None:
+        """The loop took ``samples`` more samples: rewrite the position (rows consumed) when it is due."""
+        if self._written is None:
+            return
+        self._consumed += samples
+        now = time.monotonic()
+        if now - self._pos_at < POSITION_EVERY_S:
+            return
+        self._pos_at = now
+        # rows whose every sample the loop has taken (a row still being read is not consumed: conservative)
+        rows = max(0, int(np.searchsorted(self._run_starts, self._consumed, side="right")) - 1)
+        try:
+            stream.write_position(self._written[0], self._written[1], rows)
+        except FileNotFoundError:  # published: nothing to tell any more
+            self.close()
+        except PermissionError:
+            self._written = None
+
     def close(self) -> None:
+        """Remove this reader's order and position files (where the run was published, from the version's
+        ``stream`` folder, where the rename took them)."""
         if self._written is not None:
             sdir, name = self._written
             self._written = None
             stream.remove_reader(sdir, name)
+            reader = self.dataset.stream if self.dataset.stream is not None else self._last
+            if reader is not None and reader.version:
+                stream.remove_reader(reader.ddir / reader.version / "stream", name)
 

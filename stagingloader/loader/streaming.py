@@ -138,7 +138,7 @@ class StreamReader:
     # ---- the slow path ------------------------------------------------------------------------------
     def _wait(self, row: int, rel: bytes) -> int:
         t0 = time.monotonic()
-        asked = False
+        asked = slept = False
         sleep = WAIT_MIN_S
         warned = t0
         alive_at = 0.0
@@ -146,19 +146,23 @@ class StreamReader:
             fd = self._try(rel)
             if fd is not None:
                 break
-            if not asked:
-                stream.append_urgent(self.sdir, self.reader, [row])  # False: published meanwhile (seen below)
-                asked = True
             state = self._state()
             if state is not None and state.version:
                 self.version = state.version
             if state is not None and state.state == stream.COMPLETE and state.version:
                 if self.published is None:
                     self._publish(state.version)
-                    continue  # look in the version now
+                    continue  # look in the version now: moved, not missing (no wait, nothing to ask)
                 raise StagerFailedError(
                     f"{self.name}: {os.fsdecode(rel)} is missing from the published version {state.version} of "
                     f"{self.ddir}; stage the dataset again (stagingloader stage SRC) to repair it")
+            if not asked:
+                asked = True
+                try:
+                    stream.append_urgent(self.sdir, self.reader, [row])  # False: published meanwhile (next look)
+                except PermissionError:  # another user's shared copy: wait on its stager's own order
+                    log.debug("%s: cannot ask for %s (the stream folder is not ours); waiting", self.name,
+                              os.fsdecode(rel))
             now = time.monotonic()
             if now - alive_at >= ALIVE_EVERY_S:
                 self._check(state, t0)
@@ -169,8 +173,10 @@ class StreamReader:
                 log.warning("waited %.0fs for %s of %s, not staged yet (%s); the source is the bottleneck",
                             now - t0, os.fsdecode(rel), self.name, done)
             time.sleep(sleep)
+            slept = True
             sleep = min(2 * sleep, WAIT_MAX_S)
-        self._count(time.monotonic() - t0, 1)
+        if slept:
+            self._count(time.monotonic() - t0, 1)
         return fd
 
     def _try(self, rel: bytes) -> int | None:

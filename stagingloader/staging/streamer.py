@@ -11,9 +11,10 @@ set up, after which it writes no more there (its stderr goes to ``stream/stager.
    evicting under a cache limit, through the ordinary copier (whole, verified, journaled files only);
 4. when every file is there and no cache limit got in the way: publish the version exactly as ``stage`` does.
 
-It stops (resumable, state left "copying") on SIGTERM or when the run's lease is gone (its holder process ended,
-``stagingloader release``, the Slurm epilog).  If another live stager streams the same dataset it does not wait
-for the lock: it answers ``read_along`` with that run's version and takes a lease beside it.
+It stops (resumable, state left "copying") on SIGTERM or when no lease holds its version any more: its own (its
+holder process ended, ``stagingloader release``, the Slurm epilog) and those of the runs reading along.  If
+another live stager streams the same dataset it does not wait for the lock: it answers ``read_along`` with that
+run's version and takes a lease beside it.
 """
 
 from __future__ import annotations
@@ -154,6 +155,8 @@ def _read_along(run: StageRun, *, foreign: bool, holder_pid: int | None) -> dict
     state = read_state(sdir)
     if state is None or state.state != COPYING or not state.alive:
         return None
+    if foreign and state.cache_limit is not None:  # it could evict what we read, and we cannot tell it our order
+        return None
     try:
         files = StreamFiles.load(sdir)
     except StagingError:
@@ -191,6 +194,10 @@ class _StreamRun:
         self.row_of = {f.rel: i for i, f in enumerate(self.listing)}
         self.done_q: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self.wake = threading.Event()
+        self.lock = threading.Lock()  #: the schedule: the feed (copier's dispatcher) and the poller share it
+        self.req_lock = threading.Lock()  #: the request reader, polled by both
+        self._done = threading.Event()
+        self._poll_error: BaseException | None = None
         self.start_time = process_start(os.getpid())
         self.lease: str | None = None
         self.stopped_why = ""
@@ -218,10 +225,18 @@ class _StreamRun:
         _log_to(self.sdir / "stager.log")
         settings = CopySettings(workers=run.workers, fsync=lp.incoming.fsync, small_batch_files=1)
         copier = Copier(run.source, lp.incoming, settings, expected=lp.expected, stop=self.stop)
+        poller = threading.Thread(target=self._poll_loop, name="stagingloader-stream-poll", daemon=True)
+        poller.start()
         try:
             copier.run(self._files())
-            self._collect()
+            self._done.set()
+            poller.join()
+            if self._poll_error is not None:
+                raise self._poll_error
+            with self.lock:
+                self._collect()
         except BaseException as e:
+            self._done.set()
             with contextlib.suppress(OSError):
                 lp.incoming.close()
             self._write_state(FAILED, force=True, error=_one_line(e))
@@ -261,23 +276,27 @@ class _StreamRun:
             self._write_state(COMPLETE, force=True)
 
         manifest = publish_version(run, lp, self.version, before_rename=last_state)
-        finish(run, lp, self.version, manifest, holder_pid=self.req.holder_pid, lease_name=self.lease or "")
+        finish(run, lp, self.version, manifest, holder_pid=self.req.holder_pid, lease_name=self.lease)
         log.info("published %s of %s", self.version, run.source.url)
 
     # ---- the feed: what the copier copies next -----------------------------------------------------------
     def _files(self) -> Iterator[SourceFile]:
+        """What the copier copies next (its dispatcher pulls this when a slot frees)."""
         sched = self.sched
         while not self.stop.is_set():
-            self._poll()
-            if sched.finished:
-                return
-            pick = sched.next()
+            self._take_requests()  # the freshest order and urgent rows decide this pick
+            with self.lock:
+                self._collect()
+                if sched.finished:
+                    return
+                pick = sched.next()
+                if pick is not None:
+                    for row in pick.evict:
+                        trust.unlink_under(self.lp.incoming.data, self.listing[row].rel)
             if pick is None:
                 self.wake.wait(POLL_SECONDS)
                 self.wake.clear()
                 continue
-            for row in pick.evict:
-                trust.unlink_under(self.lp.incoming.data, self.listing[row].rel)
             yield self.listing[pick.row]
 
     def _recorded(self, entries: list[Entry]) -> None:  # copier threads
@@ -292,24 +311,48 @@ class _StreamRun:
         if rows:
             self.sched.done(rows)
 
+    def _poll_loop(self) -> None:
+        """The readers' requests, the state file and the lease, every POLL_SECONDS, whatever the copier waits on."""
+        try:
+            while not self._done.wait(POLL_SECONDS):
+                self._poll()
+        except BaseException as e:  # re-raised by run()
+            self._poll_error = e
+            self.stop.set()
+
+    def _take_requests(self) -> bool:
+        """Read the readers' files into the schedule; True if anything changed."""
+        with self.req_lock:
+            orders, urgent, gone = self.requests.poll()
+            positions = dict(self.requests.positions)
+        with self.lock:
+            for reader in gone:
+                self.sched.forget(reader)
+            for reader, rows in orders.items():
+                self.sched.set_order(reader, rows)
+            for reader, consumed in positions.items():
+                self.sched.set_position(reader, consumed)
+            for reader, rows in urgent.items():
+                self.sched.add_urgent(reader, rows)
+        return bool(orders or urgent or gone)
+
     def _poll(self) -> None:
-        self._collect()
-        orders, urgent, gone = self.requests.poll()
-        for reader in gone:
-            self.sched.forget(reader)
-        for reader, rows in orders.items():
-            self.sched.set_order(reader, rows)
-        for reader, consumed in self.requests.positions.items():
-            self.sched.set_position(reader, consumed)
-        for reader, rows in urgent.items():
-            self.sched.add_urgent(reader, rows)
-        self._write_state(COPYING)
+        if self._take_requests():
+            self.wake.set()
+        with self.lock:
+            self._collect()
+            self._write_state(COPYING)
         now = time.monotonic()
         if now - self._last_lease >= LEASE_SECONDS:
             self._last_lease = now
-            if self.lease and not any(lease.name == self.lease for lease in leases.live(self.run_.ddir)):
-                self.stopped_why = f"its lease {self.lease} is gone (its holder ended or released it)"
+            held = [lease for lease in leases.live(self.run_.ddir) if lease.version == self.version]
+            if self.lease and not held:  # its own lease, and those of every run reading along
+                self.stopped_why = (f"its lease {self.lease} is gone (its holder ended or released it) and no other "
+                                    f"run reads along")
+                log.info("stopping: %s", self.stopped_why)
                 self.stop.set()
+                with self.lock:
+                    self._write_state(COPYING, force=True, error=f"stopping: {self.stopped_why}")
 
     def _write_state(self, state: str, *, force: bool = False, error: str | None = None) -> None:
         now = time.monotonic()

@@ -34,6 +34,9 @@ from .streamer import StreamRequest
 log = logging.getLogger(__name__)
 
 STOP_SECONDS = 30.0
+_HERE = str(Path(__file__).resolve().parents[2])  # the stager runs this very copy of the package
+_MAIN = (f"import sys; sys.path.insert(0, {_HERE!r}); "
+         "from stagingloader.staging.streamer import main; sys.exit(main())")
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ class Started:
 def start(req: StreamRequest, *, on_event: Callable[[str], None] | None = None,
           env: dict[str, str] | None = None) -> tuple[Started, subprocess.Popen[bytes] | None]:
     """Start a streaming stager for ``req`` and wait for its answer (after listing, planning, and the lock)."""
-    proc = subprocess.Popen([sys.executable, "-m", "stagingloader.staging.streamer"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", _MAIN], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
                             env=env)
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None

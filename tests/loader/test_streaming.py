@@ -42,7 +42,7 @@ def _expected(src: Path) -> list[bytes]:
 
 def test_every_sample_is_whole_while_files_arrive(src: Path, tmp_path: Path) -> None:
     want = _expected(src)
-    with SimStager(src, tmp_path / "ds", delay=0.002) as sim:
+    with SimStager(src, tmp_path / "ds", delay=0.002, until_asked=True) as sim:
         ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
         assert ds.streaming and len(ds) == len(want)
         order = np.random.default_rng(0).permutation(len(ds))
@@ -212,7 +212,7 @@ def test_resume_mid_epoch_while_streaming(src: Path, tmp_path: Path) -> None:
 
 
 def test_stats_split_the_wait_and_diagnose_blames_the_source(src: Path, tmp_path: Path) -> None:
-    with SimStager(src, tmp_path / "ds", delay=0.01, publish=False) as sim:
+    with SimStager(src, tmp_path / "ds", delay=0.01, publish=False, until_asked=True) as sim:
         ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
         loader = sl.DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
         for _ in loader:
@@ -233,7 +233,7 @@ def test_stats_split_the_wait_and_diagnose_blames_the_source(src: Path, tmp_path
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_workers_read_whole_files_and_report_their_waits(src: Path, tmp_path: Path, context: str) -> None:
     want = _expected(src)
-    with SimStager(src, tmp_path / "ds", delay=0.003) as sim:
+    with SimStager(src, tmp_path / "ds", delay=0.003, until_asked=True) as sim:
         ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
         loader = sl.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, multiprocessing_context=context,
                                generator=torch.Generator().manual_seed(2))
@@ -260,7 +260,7 @@ def test_staged_arrays_over_a_stream(tmp_path: Path) -> None:
     with SimStager(src, tmp_path / "ds", delay=0.002) as sim:
         ds = sl.StagedArrays(tmp_path / "ds")
         assert ds.streaming and len(ds) == len(whole)
-        assert ds.stream_rows(np.array([0, 1, 5, 6, 140, 2])).tolist() == [1, 2, 3, 1]  # runs of a file merged
+        assert ds.stream_rows(np.array([0, 1, 5, 6, 140, 2])).tolist() == [1, 1, 2, 2, 3, 1]  # README is row 0
         got = ds.__getitems__(list(range(len(ds)))[::-1])
         assert np.array_equal(got.stacked.numpy(), whole[::-1])
         table = ds.file_table()
@@ -303,3 +303,29 @@ def test_auto_backend_takes_torch_while_streaming(src: Path, tmp_path: Path) -> 
         t.join(30)
         assert got and os.path.exists(got[0]) and sim.copied[0] == 7
         sim.stop()
+
+
+def test_the_position_follows_the_loop(src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stagingloader.loader import orders
+
+    monkeypatch.setattr(orders, "POSITION_EVERY_S", 0.0)  # every batch (the loader writes at most every 0.1 s)
+    with SimStager(src, tmp_path / "ds", publish=False) as sim:
+        ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
+        loader = sl.DataLoader(ds, batch_size=5, shuffle=True, num_workers=2,
+                               generator=torch.Generator().manual_seed(4))
+        pos = sim.sdir / f"pos-{stream.reader_id(0)}"
+        it = iter(loader)
+        assert np.fromfile(pos, dtype="<i8").tolist() == [0]
+        for k in range(1, 4):
+            next(it)
+            assert np.fromfile(pos, dtype="<i8").tolist() == [5 * k]  # rows of the order the loop has taken
+        loader.close()
+        assert not pos.exists()
+
+
+def test_merge_runs_keeps_where_each_row_starts() -> None:
+    from stagingloader.loader.orders import merge_runs
+
+    rows, starts = merge_runs(np.array([3, 3, 1, 1, 1, 3, 2], dtype=np.int64))
+    assert rows.tolist() == [3, 1, 3, 2] and starts.tolist() == [0, 2, 5, 6]
+    assert int(np.searchsorted(starts, 3, side="right")) - 1 == 1  # three samples taken: row 3 done, row 1 begun

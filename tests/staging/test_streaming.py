@@ -11,6 +11,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +26,7 @@ import stagingloader as sl
 from stagingloader.cache.layout import DatasetDir
 from stagingloader.staging import stream
 from tests.conftest import cli_json, mounted_tmpfs
-from tests.support.faultproxy import FaultProxy
+from tests.support.faultproxy import Bandwidth, FaultProxy
 from tests.support.s3server import S3Server
 from tests.support.trees import content, make_tree
 
@@ -276,6 +278,68 @@ def test_release_stops_the_stager_and_the_next_stage_resumes(s3: S3Server, root:
         assert state is not None and state.state == "copying" and "stopped" in (state.error or "")
         with pytest.raises(sl.StagerFailedError, match="gone"):
             ds.stream.wait()
-        done = sl.stage(f"s3://{BUCKET}/ds", root=str(root), storage_options=s3.storage_options())
+        proxy.link = Bandwidth(None)
+        done = sl.stage(f"s3://{BUCKET}/ds", root=str(root), storage_options=opts)  # the same source, resumed
     assert done.report is not None and 0 < done.report.copied_files < len(FILES)
     assert sl.verify(done).ok
+
+
+def test_the_stager_stops_when_its_lease_is_released(s3: S3Server, root: Path) -> None:
+    src = f"s3://{BUCKET}/ds"
+    with _proxy(s3) as proxy:
+        gate = threading.Event()
+        proxy.hold("/ds/", after=0, action=lambda: gate.wait(60))
+        creds = ["--endpoint-url", proxy.endpoint_url, "-o", f"key={s3.access_key}", "-o",
+                 f"secret={s3.secret_key}", "-o", "client_kwargs={\"region_name\": \"us-east-1\"}"]
+        try:
+            out = cli_json("stage", src, "--root", str(root), "--no-wait", "--lease", "job-9", *creds)
+            sdir = Path(out["stream_dir"])
+            assert _state(sdir).alive
+            cli_json("release", src, "--root", str(root), "--lease", "job-9", *creds)  # what the epilog does
+            # it stops while every read it started still hangs at the source: the poller does not wait on them
+            _until(lambda: "lease job-9 is gone" in (_state(sdir).error or ""), "the stager to see its lease gone")
+        finally:
+            gate.set()
+        _until(lambda: not _state(sdir).alive, "the stager to end")
+    state = _state(sdir)
+    assert state.state == "copying" and "lease job-9 is gone" in (state.error or "")
+    assert DatasetDir(Path(out["dataset_dir"])).current() is None
+
+
+def test_each_node_streams_only_its_shard(src: Path, root: Path) -> None:
+    from stagingloader.staging.sharding import take_shard
+    from stagingloader.staging.sources import Source
+
+    listing = Source(str(src)).listing()
+    got: set[str] = set()
+    for node in (0, 1):
+        ds = sl.stage(str(src), root=str(root), shard=(node, 2), wait=False)
+        try:
+            want = sorted(f.rel for f in take_shard(listing, (node, 2)))
+            if ds.streaming:
+                assert ds.stream_dir is not None and list(stream.StreamFiles.load(ds.stream_dir).rels) == want
+            done = ds.wait(timeout=60)
+            assert sorted(done.files) == want and sl.verify(done).ok
+            got |= set(done.files)
+        finally:
+            ds.release()
+    assert got == {f.rel for f in listing}
+
+
+def test_the_stager_of_a_python_process_that_dies_stops(s3: S3Server, root: Path) -> None:
+    with _proxy(s3) as proxy:
+        gate = threading.Event()
+        proxy.hold("/ds/", after=0, action=lambda: gate.wait(60))
+        code = ("import json, os, sys, stagingloader as sl\n"
+                "ds = sl.stage(sys.argv[1], root=sys.argv[2], wait=False, storage_options=json.loads(sys.argv[3]))\n"
+                "print(json.dumps({'stream_dir': str(ds.stream_dir)}), flush=True)\n"
+                "os._exit(0)  # killed, in effect: no release, no exit handlers\n")
+        try:
+            proc = subprocess.run([sys.executable, "-c", code, f"s3://{BUCKET}/ds", str(root),
+                                   json.dumps(s3.storage_options(endpoint_url=proxy.endpoint_url))],
+                                  capture_output=True, text=True, timeout=120, check=True)
+            sdir = Path(json.loads(proc.stdout)["stream_dir"])
+            _until(lambda: "is gone" in (_state(sdir).error or ""), "the stager to see its holder gone")
+        finally:
+            gate.set()
+        _until(lambda: not _state(sdir).alive, "the stager to end")
