@@ -135,6 +135,7 @@ def main() -> None:
     ap.add_argument("--sources", default="local,s3")
     ap.add_argument("--kinds", default="stream,full")
     ap.add_argument("--first-only", action="store_true", help="time to first batch only (5 batches, no step)")
+    ap.add_argument("--max-batches", type=int, default=0, help="stop each run after this many batches (0: epoch 1)")
     ap.add_argument("--step", type=float, default=0.05, help="simulated compute per batch, seconds")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2)
@@ -157,7 +158,7 @@ def main() -> None:
     raw = make_files(work / f"raw-{tag}", a.files, a.size)
     say(f"data: {a.files} files x {a.size} B = {a.files * a.size / 1e9:.2f} GB in {raw} "
         f"({time.perf_counter() - t0:.0f} s); source rate {a.rate / 1e6:.0f} MB/s")
-    max_batches = 5 if a.first_only else 0
+    max_batches = 5 if a.first_only else a.max_batches
     copy_s = a.files * a.size / a.rate
     compute_s = (a.files // a.batch) * a.step
     results: list[dict[str, Any]] = []
@@ -179,7 +180,7 @@ def main() -> None:
         if "error" in r:
             rows.append([r["source"], r["kind"], "error", str(r["error"])[:80], "", "", ""])
             continue
-        epoch = None if a.first_only else r["epoch_s"]
+        epoch = None if a.first_only else r["epoch_s"]  # the time to the last batch run (--max-batches)
         rows.append([r["source"], r["kind"], f"{r['first_batch_s']:.2f}",
                      "-" if epoch is None else f"{epoch:.1f}",
                      "-" if epoch is None else f"{r['samples'] / epoch:.0f}",
