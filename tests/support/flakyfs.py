@@ -61,8 +61,14 @@ class _Flaky:
         out.update(st_atime_ns=st.st_atime_ns, st_mtime_ns=st.st_mtime_ns, st_ctime_ns=st.st_ctime_ns)
         return out
 
-    def readdir(self, path: str, fh: Any) -> list[str]:
-        return [".", "..", *os.listdir(self._path(path))]
+    def readdir(self, path: str, fh: Any) -> list[Any]:
+        # names with their inode numbers and types: with use_ino a bare name would reach the reader as inode 0,
+        # which readdir(3) skips
+        out: list[Any] = [".", ".."]
+        with os.scandir(self._path(path)) as entries:
+            for e in entries:
+                out.append((e.name, {"st_ino": e.inode(), "st_mode": e.stat(follow_symlinks=False).st_mode}, 0))
+        return out
 
     def open(self, path: str, flags: int) -> int:
         self._maybe_fail(path, "open")
