@@ -9,6 +9,7 @@ Sources (a rate ``--rate`` bytes/s well below the tier's; the data is made once 
 
 * ``local``: a folder read through a FUSE passthrough (tests/support/flakyfs.py) whose reads share one token
   bucket of ``--rate`` bytes/s and whose opens wait ``--open-latency`` s: a slow NFS share;
+* ``folder``: the raw folder itself (ext4, no limit): what listing and the first batch cost without the share;
 * ``s3``: the tests' S3 server (SeaweedFS, tests/support/s3server.py), the objects uploaded straight to it,
   read through tests/support/faultproxy.py with ``Bandwidth(--rate)`` and no faults.
 
@@ -163,9 +164,14 @@ def main() -> None:
     compute_s = (a.files // a.batch) * a.step
     results: list[dict[str, Any]] = []
     for source in a.sources.split(","):
-        ctx = (local_source(raw, work / "mnt", rate=a.rate, latency=a.open_latency) if source == "local"
-               else s3_source(raw, f"ds-{tag}", rate=a.rate, say=say,
-                              upload=bool({"stream", "full"} & set(a.kinds.split(",")))))
+        ctx: contextlib.AbstractContextManager[tuple[str, dict[str, Any] | None]]
+        if source == "folder":  # the raw folder itself, no rate limit: what listing costs without the share
+            ctx = contextlib.nullcontext((str(raw), None))
+        elif source == "local":
+            ctx = local_source(raw, work / "mnt", rate=a.rate, latency=a.open_latency)
+        else:
+            ctx = s3_source(raw, f"ds-{tag}", rate=a.rate, say=say,
+                            upload=bool({"stream", "full"} & set(a.kinds.split(","))))
         with ctx as (src, so):
             for kind in a.kinds.split(","):
                 if kind in ("mosaic", "litdata") and source != "s3":
