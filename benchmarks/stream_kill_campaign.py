@@ -132,9 +132,11 @@ def main() -> None:
             if kind in ("trainer", "both") and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)  # the trainer and its workers (its own session)
                 killed.append("trainer")
-            try:
-                p.wait(timeout=600)
+            hung = False
+            try:  # a reader whose stager died must raise StagerFailedError soon, not wait for ever
+                p.wait(timeout=600 if killed == ["trainer"] or not killed else 60)
             except subprocess.TimeoutExpired:
+                hung = True
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
             for t in readers:
@@ -143,7 +145,9 @@ def main() -> None:
             lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
             seen = max((x.get("seen", 0) for x in lines), default=0)
             wrong = err.count("WRONG BYTES")
-            end = lines[-1].get("end", "killed") if lines else "killed"
+            end = "HUNG: no error 60 s after its stager died" if hung else (
+                lines[-1].get("end", "killed") if lines else "killed")
+            report["hung"] = report.get("hung", 0) + hung
             row = {"round": r, "kill": kind, "after_s": round(delay, 2), "killed": killed, "trainer_rc": p.returncode,
                    "end": end, "samples": seen, "wrong": wrong,
                    "stderr": err.strip().splitlines()[-1][:200] if (err.strip() and p.returncode not in (0, -9, 3))
