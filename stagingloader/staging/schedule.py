@@ -7,8 +7,9 @@
 - Under a cache limit a row is copied only if it fits, after evicting ready rows whose next use is further away
   than its own (Belady's rule: the row used furthest in the future, or never, goes first; the choice is
   :func:`.eviction.choose_victims`, a row's next use its place in the merged order).  Rows inside a reader's
-  window (its next ``window`` rows), urgent rows and rows being copied are never evicted.  The window grows with
-  the measured read rate: the rows a reader consumes in ``WINDOW_SECONDS``.
+  window (its next ``window`` rows), urgent rows and rows being copied are never evicted.  The window is sized
+  from the measured rates: the rows a reader consumes in ``WINDOW_SECONDS`` plus the time the copier needs to
+  bring a file back (see :attr:`Schedule.window`); it never takes more than half the cache.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ Rows = npt.NDArray[np.int64]
 MIN_WINDOW = 8
 WINDOW_SECONDS = 2.0
 SCAN = 4096
+RATE_SECONDS = 1.0  #: the time constant of the measured rates
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class _Rate:
         if dt <= 0:
             return
         self._last = clock
-        alpha = min(1.0, dt / 2.0)
+        alpha = min(1.0, dt / RATE_SECONDS)
         self.value += alpha * (amount / dt - self.value)
 
 
@@ -130,8 +132,11 @@ class Schedule:
 
     @property
     def window(self) -> int:
-        """Rows of each reader's order, from where it is, that are never evicted."""
-        return max(self.min_window, int(self.read_rate.value * WINDOW_SECONDS))
+        """Rows of each reader's order, from where it is, that are never evicted: what a reader consumes (at its
+        measured rate) in WINDOW_SECONDS plus the time the copier (at its measured rate) takes to bring back a file
+        evicted by mistake behind the ones in flight."""
+        refetch = (int(self.inflight.sum()) + 1) / self.copy_rate.value if self.copy_rate.value > 0 else 0.0
+        return max(self.min_window, int(self.read_rate.value * (WINDOW_SECONDS + min(refetch, 60.0))))
 
     # ---- the decision --------------------------------------------------------------------------------------
     def next(self) -> Pick | None:

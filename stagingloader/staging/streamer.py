@@ -154,6 +154,8 @@ def _read_along(run: StageRun, *, foreign: bool, holder_pid: int | None) -> dict
     state = read_state(sdir)
     if state is None or state.state != COPYING or not state.alive:
         return None
+    if foreign and state.cache_limit is not None:  # it could evict what we read, and we cannot tell it our order
+        return None
     try:
         files = StreamFiles.load(sdir)
     except StagingError:

@@ -73,3 +73,12 @@ def test_rows_read_by_no_one_are_not_copied_under_a_limit() -> None:
     s.set_order("r0-1", np.array([4, 2], dtype=np.int64))
     assert _drain(s) == [4, 2]
     assert not s.finished
+
+
+def test_the_window_grows_with_the_read_rate() -> None:
+    s = Schedule([1] * 1000, limit=1000, min_window=4, clock=0.0)
+    s.set_order("r0-1", np.arange(1000, dtype=np.int64))
+    assert s.window == 4
+    for t in range(1, 41):  # 50 rows a second for four seconds
+        s.set_position("r0-1", 5 * t, clock=t / 10)
+    assert 80 <= s.window <= 120  # about two seconds of reading

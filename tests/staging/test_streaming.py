@@ -11,6 +11,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -302,3 +304,42 @@ def test_the_stager_stops_when_its_lease_is_released(s3: S3Server, root: Path) -
     state = _state(sdir)
     assert state.state == "copying" and "lease job-9 is gone" in (state.error or "")
     assert DatasetDir(Path(out["dataset_dir"])).current() is None
+
+
+def test_each_node_streams_only_its_shard(src: Path, root: Path) -> None:
+    from stagingloader.staging.sharding import take_shard
+    from stagingloader.staging.sources import Source
+
+    listing = Source(str(src)).listing()
+    got: set[str] = set()
+    for node in (0, 1):
+        ds = sl.stage(str(src), root=str(root), shard=(node, 2), wait=False)
+        try:
+            want = sorted(f.rel for f in take_shard(listing, (node, 2)))
+            if ds.streaming:
+                assert ds.stream_dir is not None and list(stream.StreamFiles.load(ds.stream_dir).rels) == want
+            done = ds.wait(timeout=60)
+            assert sorted(done.files) == want and sl.verify(done).ok
+            got |= set(done.files)
+        finally:
+            ds.release()
+    assert got == {f.rel for f in listing}
+
+
+def test_the_stager_of_a_python_process_that_dies_stops(s3: S3Server, root: Path) -> None:
+    with _proxy(s3) as proxy:
+        gate = threading.Event()
+        proxy.hold("/ds/", after=0, action=lambda: gate.wait(60))
+        code = ("import json, os, sys, stagingloader as sl\n"
+                "ds = sl.stage(sys.argv[1], root=sys.argv[2], wait=False, storage_options=json.loads(sys.argv[3]))\n"
+                "print(json.dumps({'stream_dir': str(ds.stream_dir)}), flush=True)\n"
+                "os._exit(0)  # killed, in effect: no release, no exit handlers\n")
+        try:
+            proc = subprocess.run([sys.executable, "-c", code, f"s3://{BUCKET}/ds", str(root),
+                                   json.dumps(s3.storage_options(endpoint_url=proxy.endpoint_url))],
+                                  capture_output=True, text=True, timeout=120, check=True)
+            sdir = Path(json.loads(proc.stdout)["stream_dir"])
+            _until(lambda: "is gone" in (_state(sdir).error or ""), "the stager to see its holder gone")
+        finally:
+            gate.set()
+        _until(lambda: not _state(sdir).alive, "the stager to end")
