@@ -343,3 +343,21 @@ def test_the_stager_of_a_python_process_that_dies_stops(s3: S3Server, root: Path
         finally:
             gate.set()
         _until(lambda: not _state(sdir).alive, "the stager to end")
+
+
+def test_a_file_that_fails_its_source_manifest_fails_the_stream_and_never_appears(src: Path, root: Path) -> None:
+    sl.write_manifest(str(src))
+    bad = src / "cat" / "007.bin"
+    data = bytearray(bad.read_bytes())
+    data[0] ^= 0xFF  # the same size: only the digest tells
+    bad.write_bytes(bytes(data))
+    ds = sl.stage(str(src), root=str(root), wait=False, workers=1)
+    try:
+        with pytest.raises(sl.StagerFailedError, match=r"cat/007\.bin.*does not match the source manifest"):
+            ds.wait(timeout=60)
+        state = stream.find_state(ds.dataset_dir, ds.version)
+        assert state is not None and state.state == "failed" and "007.bin" in (state.error or "")
+        assert stream.resolve(ds.dataset_dir, "cat/007.bin", ds.version) is None  # never visible
+        assert DatasetDir(ds.dataset_dir).current() is None
+    finally:
+        ds.release()
