@@ -63,7 +63,8 @@ def run(*, files: int, epochs: int, window: int, seed: int, fractions: list[floa
     rows = []
     for frac in fractions:
         cap = int(frac * total)
-        res: dict[str, Any] = {"fraction": frac, "capacity_bytes": cap, "bound_bytes": epochs * total - (epochs - 1) * cap}
+        bound = epochs * total - (epochs - 1) * cap
+        res: dict[str, Any] = {"fraction": frac, "capacity_bytes": cap, "bound_bytes": bound}
         for policy in POLICIES:
             t0 = time.perf_counter()
             r = simulate(orders, sizes=sizes, capacity_bytes=cap, policy=policy, after=after, window=window)  # type: ignore[arg-type]

@@ -130,6 +130,12 @@ class OrderPublisher:
             stream.write_position(reader.sdir, reader.reader, 0)
         except FileNotFoundError:  # the stream folder went with incoming: published
             return None
+        except PermissionError:  # another user's shared copy: its stager follows its own order
+            if not self._said:
+                self._said = True
+                log.info("%s: the stream folder is not this user's; the stager is not told this loader's order",
+                         reader.name)
+            return None
         self._written = (reader.sdir, reader.reader)
         self._consumed, self._pos_at = 0, time.monotonic()
         return rows
@@ -149,6 +155,8 @@ class OrderPublisher:
             stream.write_position(self._written[0], self._written[1], rows)
         except FileNotFoundError:  # published: nothing to tell any more
             self.close()
+        except PermissionError:
+            self._written = None
 
     def close(self) -> None:
         """Remove this reader's order and position files (where the run was published, from the version's

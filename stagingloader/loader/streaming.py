@@ -157,8 +157,12 @@ class StreamReader:
                     f"{self.name}: {os.fsdecode(rel)} is missing from the published version {state.version} of "
                     f"{self.ddir}; stage the dataset again (stagingloader stage SRC) to repair it")
             if not asked:
-                stream.append_urgent(self.sdir, self.reader, [row])  # False: published meanwhile (seen next look)
                 asked = True
+                try:
+                    stream.append_urgent(self.sdir, self.reader, [row])  # False: published meanwhile (next look)
+                except PermissionError:  # another user's shared copy: wait on its stager's own order
+                    log.debug("%s: cannot ask for %s (the stream folder is not ours); waiting", self.name,
+                              os.fsdecode(rel))
             now = time.monotonic()
             if now - alive_at >= ALIVE_EVERY_S:
                 self._check(state, t0)

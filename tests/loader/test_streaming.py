@@ -42,7 +42,7 @@ def _expected(src: Path) -> list[bytes]:
 
 def test_every_sample_is_whole_while_files_arrive(src: Path, tmp_path: Path) -> None:
     want = _expected(src)
-    with SimStager(src, tmp_path / "ds", delay=0.002) as sim:
+    with SimStager(src, tmp_path / "ds", delay=0.002, until_asked=True) as sim:
         ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
         assert ds.streaming and len(ds) == len(want)
         order = np.random.default_rng(0).permutation(len(ds))
@@ -212,7 +212,7 @@ def test_resume_mid_epoch_while_streaming(src: Path, tmp_path: Path) -> None:
 
 
 def test_stats_split_the_wait_and_diagnose_blames_the_source(src: Path, tmp_path: Path) -> None:
-    with SimStager(src, tmp_path / "ds", delay=0.01, publish=False) as sim:
+    with SimStager(src, tmp_path / "ds", delay=0.01, publish=False, until_asked=True) as sim:
         ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
         loader = sl.DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
         for _ in loader:
@@ -233,7 +233,7 @@ def test_stats_split_the_wait_and_diagnose_blames_the_source(src: Path, tmp_path
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_workers_read_whole_files_and_report_their_waits(src: Path, tmp_path: Path, context: str) -> None:
     want = _expected(src)
-    with SimStager(src, tmp_path / "ds", delay=0.003) as sim:
+    with SimStager(src, tmp_path / "ds", delay=0.003, until_asked=True) as sim:
         ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
         loader = sl.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, multiprocessing_context=context,
                                generator=torch.Generator().manual_seed(2))

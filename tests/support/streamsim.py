@@ -5,7 +5,8 @@ It copies a source folder into ``DDIR/incoming/data/`` one file at a time, each 
 and renamed into place whole; it copies the readers' urgent rows first, then their orders (merged), then the
 listing's order; it writes ``state.json`` as it goes and, when every file is there, publishes: the final state,
 then ``incoming`` renamed to ``v1`` (with ``stream/`` in it) and ``current`` pointed at it.  ``gate`` (an Event)
-holds it before each file, so a test decides when files arrive.
+holds it before each file, so a test decides when files arrive; ``until_asked`` holds it until a reader asks for
+a row (so at least one read waits, however slowly the readers start).
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from stagingloader.staging import stream
 
 class SimStager:
     def __init__(self, src: Path, ddir: Path, *, delay: float = 0.0, publish: bool = True,
-                 gate: threading.Event | None = None, version: str = "v1") -> None:
+                 gate: threading.Event | None = None, version: str = "v1", until_asked: bool = False) -> None:
         self.src, self.ddir = Path(src), Path(ddir)
         self.sdir = stream.stream_dir(self.ddir)
         self.delay, self.publish, self.gate, self.version = delay, publish, gate, version
+        self.until_asked = until_asked  #: copy nothing until a reader asks for a row (so some read must wait)
         self.rels = sorted(str(p.relative_to(self.src)) for p in self.src.rglob("*") if p.is_file())
         self.sizes = [(self.src / r).stat().st_size for r in self.rels]
         self.copied: list[int] = []  #: rows in the order they were copied
@@ -64,6 +66,15 @@ class SimStager:
             requests = stream.RequestReader(self.sdir, len(self.rels))
             done: set[int] = set()
             pending: list[int] = []
+            while self.until_asked and not self._stop.is_set():
+                orders, urgent, _gone = requests.poll()
+                self.orders.update(orders)
+                if urgent:
+                    for rows in urgent.values():
+                        self.urgent += [int(r) for r in rows]
+                        pending[:0] = [int(r) for r in rows]
+                    break
+                time.sleep(0.005)
             while len(done) < len(self.rels) and not self._stop.is_set():
                 if self.gate is not None:
                     while not self.gate.wait(0.05):
