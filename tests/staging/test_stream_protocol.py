@@ -65,7 +65,7 @@ def test_a_killed_stager_not_yet_reaped_is_gone(tmp_path: Path) -> None:
         start = stream.process_start(child.pid)
         assert start is not None and stream.StreamState(pid=child.pid, start_time=start).alive
         child.kill()
-        while os.path.exists(f"/proc/{child.pid}") and b") Z" not in open(f"/proc/{child.pid}/stat", "rb").read():
+        while b") Z" not in Path(f"/proc/{child.pid}/stat").read_bytes():
             time.sleep(0.01)
         state = stream.StreamState(pid=child.pid, start_time=start)
         assert os.path.exists(f"/proc/{child.pid}")  # not reaped: a zombie
