@@ -369,7 +369,8 @@ def _build_version(run: _Run, plan: CopyPlan, incoming: Incoming, done: dict[str
     if plan.link and base_version is not None:
         to_copy += _link_unchanged(ddir.version_dir(base_version) / "data", incoming, plan.link, listing)
     progress.set_size(sum(f.size for f in to_copy))
-    copier = Copier(run.source, incoming, CopySettings(workers=run.workers, fsync=incoming.fsync),
+    settings = CopySettings(workers=run.workers, fsync=incoming.fsync, processes=run.opts.workers)
+    copier = Copier(run.source, incoming, settings,
                     expected=expected, progress=progress, stop=threading.Event())
     try:
         copier.run(to_copy)

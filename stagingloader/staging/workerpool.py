@@ -72,7 +72,8 @@ class WorkerPool:
             self.started += 1
             try:
                 proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(theirs.fileno()), name],
-                                        pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+                                        pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                        start_new_session=True)  # Ctrl-C goes to the stager, which stops them
             finally:
                 theirs.close()
             conn = Connection(ours.detach())

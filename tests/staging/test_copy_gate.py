@@ -91,3 +91,11 @@ def test_a_waiting_thread_leaves_when_told_to_stop() -> None:
     stop.set()
     t.join(timeout=5)
     assert got == [False] and not t.is_alive()
+
+
+def test_worker_processes_are_gated_between_the_cores_and_twice_as_many() -> None:
+    clock = Clock()
+    gate = Gate(8, adaptive=True, clock=clock, low=4)  # fsync on a disk: 8 processes may overlap the waits
+    limits = _run(gate, clock, 30, lambda limit: 2.0 if limit == 4 else 1.0)
+    assert limits[0] == 4 and set(limits) == {4, 8} and gate.limit == 8
+    assert Gate(4, adaptive=True, low=4).limit == 4 and not Gate(4, adaptive=True, low=4).adaptive
