@@ -1,9 +1,12 @@
 """A large file copied by ranges, by several workers at once, into one temp file; hashed in order behind them.
 
-Workers copy ranges in any order (each hashes its own range for the ``.ranges`` journal, so a killed copy
-resumes from its finished ranges).  The file's xxh3-128 digest, the one the manifest records, is computed in
-the stager's process over the pages already written, in order, as the ranges before them finish: from a
-read-only mapping of the temp file, so no bytes are copied for it and nothing waits in memory for its turn.
+Workers copy ranges in any order (``sendfile``: no bytes pass through Python).  The file's xxh3-128 digest,
+the one the manifest records, is computed in the stager's process over the pages already written, in order,
+as the ranges before them finish: from a read-only mapping of the temp file, so no bytes are copied for it and
+nothing waits in memory for its turn.  The same mapping gives each range's own digest for the ``.ranges``
+journal, from which a killed copy resumes (mapping the pages costs more than hashing them: 0.24 s of system
+time per GiB here against 0.1 s to hash, so they are mapped once).  A remote range arrives in memory and is
+journaled with its digest at once.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class LargeFile:
         self.hasher: xxhash.xxh3_128 = dg.new_hasher()
         self.next_offset = 0  #: bytes hashed so far, in order
         self.finished_ranges: dict[int, int] = {}  #: offset -> length, copied but not hashed in order yet
+        self.unjournaled: set[int] = set()  #: offsets of finished ranges to journal once hashed
         self.fd = self.src_fd = self.ranges_fd = -1
         self.identity: stable.Identity | None = None  #: a local source's identity when it was opened
         self.finished = False
@@ -95,8 +99,12 @@ class LargeFile:
         return True
 
     def range_copied(self, offset: int, length: int, digest: str) -> None:
-        """A worker copied a range: journal it (for a resume) and queue it for the in-order hash."""
-        os.write(self.ranges_fd, f"{offset} {length} {digest}\n".encode())
+        """A worker copied a range: queue it for the in-order hash; journal it (for a resume) now if its digest is
+        known, else once it is hashed."""
+        if digest:
+            os.write(self.ranges_fd, f"{offset} {length} {digest}\n".encode())
+        else:
+            self.unjournaled.add(offset)
         self.finished_ranges[offset] = length
 
     def hash_ready(self) -> bool:
@@ -106,6 +114,10 @@ class LargeFile:
             if length:
                 with mmap.mmap(self.fd, length, prot=mmap.PROT_READ, offset=self.next_offset) as m:
                     self.hasher.update(m)
+                    if self.next_offset in self.unjournaled:
+                        self.unjournaled.discard(self.next_offset)
+                        digest = dg.digest_bytes(m)  # type: ignore[arg-type]
+                        os.write(self.ranges_fd, f"{self.next_offset} {length} {digest}\n".encode())
             self.next_offset += length
         return self.next_offset == self.file.size
 
