@@ -151,7 +151,7 @@ class Worker:
                 if self.sendfile and before.size >= SENDFILE_MIN:
                     size, digest = self._sendfile(src, out_fd, before.size, path)
                 else:
-                    size, digest = self._through_buffer(src, out_fd, path)
+                    size, digest = self._through_buffer(src, out_fd, before.size, path)
                 after = stable.identity(src)
             finally:
                 os.close(src)
@@ -164,11 +164,13 @@ class Worker:
             log.info("%s changed while it was copied: reading it again", path)
         raise stable.changing(path)
 
-    def _through_buffer(self, src: int, out_fd: int, path: str) -> tuple[int, str]:
+    def _through_buffer(self, src: int, out_fd: int, expect: int, path: str) -> tuple[int, str]:
+        """Copy ``expect`` bytes (the size when opened: no read at the end only to meet it; a file that grew or
+        shrank meanwhile shows in its identity after the copy)."""
         view = self.buffer()
         hasher = dg.new_hasher()
         size = 0
-        while n := read_source(src, view, path):
+        while size < expect and (n := read_source(src, view[:expect - size], path)):
             hasher.update(view[:n])
             write_out(out_fd, view[:n])
             size += n
@@ -181,7 +183,7 @@ class Worker:
             if e.errno not in _NO_SENDFILE or os.lseek(out_fd, 0, os.SEEK_CUR):
                 raise
             self.sendfile = False  # this source's file system cannot: the buffer from now on
-            return self._through_buffer(src, out_fd, path)
+            return self._through_buffer(src, out_fd, size, path)
         return copied, hash_written(out_fd, 0, copied)[1]
 
     def publish(self, where: str, tmp: str, final: str, digest: str, want: str) -> None:
