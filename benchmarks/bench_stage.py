@@ -5,8 +5,8 @@
     python benchmarks/bench_stage.py --quick              # smoke run on small data (~2 min)
     python benchmarks/bench_stage.py --target shm --sizes large --out results.json
 
-For each dataset (``large``: 4 x 1 GiB, ``small``: 20,000 x 100 KiB, ``tiny``: 200,000 x 4 KiB)
-and each target it times, each run into an empty target:
+For each dataset (``large``: 4 x 1 GiB, ``small``: 20,000 x 100 KiB, ``tiny``: 200,000 x 4 KiB,
+``mixed``: 1,500 x 100 KiB and 2 x 96 MiB) and each target it times, each run into an empty target:
 
 * ``stagingloader stage SRC --root DIR --json -q`` (the CLI in a subprocess; it hashes every
   file while copying and writes a manifest: verification is always on);
@@ -30,6 +30,9 @@ file on disks); targets with many files are moved to a trash folder rather than 
 runs (ext4 without a journal, as here, avoids inodes freed less than a minute ago, which makes
 creating files right after deleting many CPU-bound), and ``tiny`` goes to the disk only with
 --disk-tiny (8 min, mostly ext4 creating inodes).
+
+``--scaling`` instead stages each dataset into tmpfs with 1 and 2 copy worker processes (``workers=N``)
+and reports files/s, GB/s and the CPU time of the stager's process and of its workers.
 
 It also times re-staging the unchanged ``tiny`` dataset (``stagingloader stage`` a second time,
 nothing to copy) against a second ``rsync -a`` of the same unchanged trees, and records the peak
