@@ -1,6 +1,6 @@
 """The copy engine: files copied and hashed in parallel, each under a temp name, renamed when whole, journaled.
 
-Small files travel in *batches* (``CopySettings.batch_files`` files or ``batch_bytes`` bytes), large ones
+Small files travel in *batches* (``CopySettings.small_batch_files`` files or ``batch_bytes`` bytes), large ones
 (above ``large_threshold``) in ranges of ``range_size`` bytes (see :mod:`.largefiles`).  Where they are
 copied depends on the source:
 
@@ -14,7 +14,8 @@ copied depends on the source:
 
 Whatever copies, the stager's process alone journals (``Incoming.record_many``), counts progress and calls
 ``on_done``.  :meth:`Copier.run` pulls files from its iterable only when a worker can take more (a few batches
-ahead), so a caller may reorder what comes next while it runs.
+ahead), so a caller may reorder what comes next while it runs; an iterable that is not a list is pulled in a
+thread of its own (:mod:`.feed`), so it may wait for files to be done.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from typing import Any
 
 from ..cache.layout import safe_join
 from ..cache.manifest import Entry
 from ..errors import NoSpaceError
 from .copyops import EntryTuple, Item, Target, Worker, as_root_error
+from .feed import Feed, Wakeup
 from .gate import Gate
 from .incoming import Incoming
 from .largefiles import LargeFile
@@ -48,7 +51,7 @@ class CopySettings:
     range_size: int = 8 << 20  #: large files are split into ranges of this size (a multiple of the page size)
     large_threshold: int = 32 << 20  #: files above this size are copied by ranges
     fsync: bool = False
-    batch_files: int = 64  #: small files per job (fewer: lower latency per file, more overhead)
+    small_batch_files: int = 64  #: small files per job (a streaming run takes 1: no file waits for others)
     batch_bytes: int = 16 << 20  #: bytes of small files per job
     processes: int | None = None  #: worker processes for a local source; None: the usable cores; 0: none
     process_min_files: int = 256  #: small files a local run pulls (without a large one) before starting them
@@ -123,8 +126,9 @@ def _execute(worker: Worker, job: _Job) -> tuple[Any, BaseException | None]:
 class _Threads:
     """Jobs run by a bounded thread pool (remote sources: the threads wait on the network)."""
 
-    def __init__(self, count: int, worker: Worker) -> None:
+    def __init__(self, count: int, worker: Worker, wakeup: Wakeup) -> None:
         self.worker = worker
+        self.wakeup = wakeup
         self.capacity = count + min(count, 4)  #: jobs in flight: bounds the ranges held in memory
         self.pool = ThreadPoolExecutor(count, thread_name_prefix="stagingloader-copy")
         self.results: queue.SimpleQueue[tuple[_Job, Any]] = queue.SimpleQueue()
@@ -132,12 +136,15 @@ class _Threads:
 
     def submit(self, job: _Job) -> None:
         self.in_flight += 1
-        self.pool.submit(lambda: self.results.put((job, _execute(self.worker, job))))
+        self.pool.submit(self._run, job)
 
-    def poll(self, timeout: float) -> list[tuple[_Job, Any]]:
+    def _run(self, job: _Job) -> None:
+        self.results.put((job, _execute(self.worker, job)))
+        self.wakeup.ring()
+
+    def poll(self) -> list[tuple[_Job, Any]]:
         out = []
         with contextlib.suppress(queue.Empty):
-            out.append(self.results.get(timeout=timeout) if timeout > 0 else self.results.get_nowait())
             while True:
                 out.append(self.results.get_nowait())
         self.in_flight -= len(out)
@@ -215,7 +222,8 @@ class Copier:
         self._threads: _Threads | None = None
         self._procs: _Processes | None = None
         # what the iterable gave and no job holds yet
-        self._files: Iterator[SourceFile] = iter(())
+        self._wakeup = Wakeup()
+        self._feed: Feed | None = None
         self._exhausted = False
         self._batch = _Job()
         self._ranges: Iterator[tuple[int, int]] | None = None
@@ -235,10 +243,10 @@ class Copier:
         ``files`` is pulled lazily, a few batches ahead of what the workers finished; ``on_done`` is called in
         this thread with the entries of the files renamed into ``data/`` and journaled, as they are.
         """
-        self._files = iter(files)
+        self._feed = Feed(files, self._wakeup)
         self._on_done = on_done
         if not self.source.is_local:
-            self._threads = _Threads(self.settings.workers, self._worker)
+            self._threads = _Threads(self.settings.workers, self._worker, self._wakeup)
         try:
             while not self.stop.is_set():
                 busy = self._fill()
@@ -293,15 +301,20 @@ class Copier:
         return not left and not flying
 
     def _poll(self, timeout: float) -> list[tuple[_Job, Any]]:
+        """Results ready within ``timeout``; wakes up early for results, a file the feed brings, or a worker."""
         out, self._inline = self._inline, []
-        if out:
-            timeout = 0.0
+        if not out and timeout > 0:
+            conns: list[Any] = [self._wakeup.reader]
+            if self._procs is not None:
+                conns += [p.conn for p in self._procs.pool.procs]
+            wait(conns, timeout)
+        self._wakeup.drain()
         if self._threads is not None:
-            out += self._threads.poll(timeout)
+            out += self._threads.poll()
         if self._procs is not None:
             if self.stop.is_set():
                 self._procs.pool.set_stop()
-            out += self._procs.poll(timeout)
+            out += self._procs.poll(0.0)
         return out
 
     def _handle(self, results: list[tuple[_Job, Any]]) -> None:
@@ -327,10 +340,13 @@ class Copier:
         except BaseException as e:  # a worker died while we waited for it
             self._fail(e)
         finally:
+            if self._feed is not None and not self._feed.close():
+                log.warning("the files to copy are still being produced after the copy stopped; leaving them")
             if self._threads is not None:
                 self._threads.close()
             if self._procs is not None:
                 self._procs.close()
+            self._wakeup.close()
             remove = isinstance(self._error, NoSpaceError)
             for lf in self._large:
                 lf.close()
@@ -355,11 +371,17 @@ class Copier:
                 return job
         s = self.settings
         batch = self._batch
+        feed = self._feed
+        assert feed is not None
         while not self._exhausted and not self.stop.is_set():
-            try:
-                f = next(self._files)
-            except StopIteration:
-                self._exhausted = True
+            f = feed.take()
+            if f is None:
+                if feed.error is not None:
+                    raise feed.error
+                if feed.ended:
+                    self._exhausted = True
+                elif not feed.asked:  # pulled in a thread: ask for the rest of a batch, hand out what is here
+                    feed.ask(max(1, s.small_batch_files - len(batch.items)))
                 break
             if f.size > s.large_threshold:
                 self._want_processes = True
@@ -376,7 +398,7 @@ class Copier:
             self._pulled_small += 1
             if self._pulled_small >= s.process_min_files:
                 self._want_processes = True
-            if len(batch.items) >= s.batch_files or batch.nbytes >= s.batch_bytes:
+            if len(batch.items) >= s.small_batch_files or batch.nbytes >= s.batch_bytes:
                 self._batch = _Job()
                 return batch
         if batch.items:

@@ -15,7 +15,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import xxhash
@@ -50,6 +50,7 @@ class Incoming:
         self._fd: int | None = None
         self._dirs: set[str] = set()
         self.entries: list[Entry] = []  #: every entry recorded by this process
+        self.on_record: Callable[[list[Entry]], None] | None = None  #: told of each file recorded (streaming)
 
     def open(self) -> None:
         self.data.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -76,6 +77,8 @@ class Incoming:
             due = len(self._buffer) >= self.FLUSH_EVERY or time.monotonic() - self._last_flush > self.FLUSH_SECONDS
         if due:
             self.flush()
+        if self.on_record is not None:
+            self.on_record(entries)
 
     def flush(self) -> None:
         with self._lock:

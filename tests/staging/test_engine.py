@@ -40,7 +40,7 @@ def _hash(path: Path) -> str:
 
 def test_files_are_pulled_lazily_a_few_batches_ahead_and_reported_done(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", {f"d{i % 7}/f{i:04d}.bin": 700 + i for i in range(600)})
-    copier, incoming, listing = _copier(src, tmp_path, batch_files=4, processes=2, process_min_files=16)
+    copier, incoming, listing = _copier(src, tmp_path, small_batch_files=4, processes=2, process_min_files=16)
     pulled = [0]
     done: list[Entry] = []
     ahead: list[int] = []
@@ -59,14 +59,39 @@ def test_files_are_pulled_lazily_a_few_batches_ahead_and_reported_done(tmp_path:
     copier.run(lazily(), on_done=on_done)
     incoming.close()
     assert copier.worker_pids == []  # closed with the run
-    # at most: DEPTH jobs sent to each of 2 workers, one copied in this process, one being gathered
-    bound = (2 * DEPTH + 2) * 4
+    # at most: DEPTH jobs sent to each of 2 workers, one copied in this process, one being gathered, one asked for
+    bound = (2 * DEPTH + 3) * 4
     assert max(ahead) <= bound, f"pulled {max(ahead)} files ahead of the finished ones (bound {bound})"
     assert sorted(e.path for e in done) == sorted(f.rel for f in listing)
     digests = tree_digests(src)
     assert {e.path: e.digest for e in done} == digests
     assert tree_digests(incoming.data) == digests
     assert [e.path for e in incoming.entries] == [e.path for e in done]  # journaled by this process
+
+
+def test_an_iterable_that_waits_for_files_to_be_done_is_not_a_deadlock(tmp_path: Path) -> None:
+    """A streaming schedule yields a file, then waits until it is done before it picks the next: the copier
+    must go on collecting results while the iterable waits."""
+    src = make_tree(tmp_path / "src", {f"f{i:03d}.bin": 5000 + i for i in range(300)})
+    copier, incoming, listing = _copier(src, tmp_path, small_batch_files=1, processes=2, process_min_files=8)
+    done: set[str] = set()
+    changed = threading.Condition()
+
+    def one_at_a_time() -> Iterator[SourceFile]:
+        for f in listing:
+            yield f
+            rel = f.rel
+            with changed:
+                assert changed.wait_for(lambda: rel in done, timeout=60), f"{rel} never came back"
+
+    def on_done(entries: list[Entry]) -> None:
+        with changed:
+            done.update(e.path for e in entries)
+            changed.notify_all()
+
+    copier.run(one_at_a_time(), on_done=on_done)
+    assert done == {f.rel for f in listing}
+    assert tree_digests(incoming.data) == tree_digests(src)
 
 
 def test_a_few_files_are_copied_without_starting_worker_processes(tmp_path: Path) -> None:
