@@ -3,6 +3,7 @@ large file copied by several processes and hashed in order."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -80,9 +81,8 @@ def test_an_iterable_that_waits_for_files_to_be_done_is_not_a_deadlock(tmp_path:
     def one_at_a_time() -> Iterator[SourceFile]:
         for f in listing:
             yield f
-            rel = f.rel
             with changed:
-                assert changed.wait_for(lambda: rel in done, timeout=60), f"{rel} never came back"
+                assert changed.wait_for(functools.partial(set.__contains__, done, f.rel), timeout=60), f.rel
 
     def on_done(entries: list[Entry]) -> None:
         with changed:
