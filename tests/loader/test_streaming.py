@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +59,7 @@ def test_a_miss_jumps_the_queue(src: Path, tmp_path: Path) -> None:
     with SimStager(src, tmp_path / "ds", gate=gate) as sim:
         ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
         last = len(ds) - 1
-        reader = threading.Thread(target=lambda: got.append(ds[last]))
+        reader = threading.Thread(daemon=True, target=lambda: got.append(ds[last]))
         got: list[bytes] = []
         reader.start()
         urgent = sim.sdir / f"urgent-{stream.reader_id(0)}"
@@ -81,7 +82,7 @@ def test_an_evicted_file_is_asked_for_again(src: Path, tmp_path: Path) -> None:
         assert ds[5] == _expected(src)[5]
         sim.evict(5)  # as under a cache limit
         done = threading.Event()
-        t = threading.Thread(target=lambda: (ds[5], done.set()))
+        t = threading.Thread(daemon=True, target=lambda: (ds[5], done.set()))
         t.start()
         urgent = sim.sdir / f"urgent-{stream.reader_id(0)}"
         while not urgent.exists():
@@ -116,6 +117,18 @@ def test_reads_go_to_the_published_version_after_completion(src: Path, tmp_path:
     assert not ds.streaming and ds.stream is None  # switched at the first miss in incoming/
     assert str(ds.root) == str(tmp_path / "ds" / "v1" / "data")
     assert unread.streaming and not unread.refresh() and unread[2] == _expected(src)[2]  # one look at the state
+
+
+def test_complete_before_the_rename_keeps_reading_incoming(src: Path, tmp_path: Path) -> None:
+    with SimStager(src, tmp_path / "ds", gate=threading.Event()) as sim:  # the gate stays shut: we copy
+        ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
+        for row in range(len(ds)):
+            sim._copy(row)
+        sim.write_state(stream.COMPLETE)  # the stager's last state comes just before it renames incoming
+        # complete, but no v1/ yet: a reader that switched now would find nothing; it stays in incoming
+        assert ds.refresh() and ds[3] == _expected(src)[3] and ds.streaming
+        os.rename(tmp_path / "ds" / "incoming", tmp_path / "ds" / "v1")
+        assert ds[4] == _expected(src)[4] and not ds.streaming  # renamed: found in v1, and read there from now on
 
 
 def test_prefix_and_include_keep_the_stream_rows(src: Path, tmp_path: Path) -> None:
@@ -293,7 +306,7 @@ def test_auto_backend_takes_torch_while_streaming(src: Path, tmp_path: Path) -> 
         table = ds.file_table()  # what the GDS reader opens files through
         assert table.ready is not None
         ready = table.ready
-        t = threading.Thread(target=lambda: got.append(ready(7)))
+        t = threading.Thread(daemon=True, target=lambda: got.append(ready(7)))
         got: list[str] = []
         t.start()
         while not (sim.sdir / f"urgent-{stream.reader_id(0)}").exists():
@@ -319,6 +332,32 @@ def test_the_position_follows_the_loop(src: Path, tmp_path: Path, monkeypatch: p
         for k in range(1, 4):
             next(it)
             assert np.fromfile(pos, dtype="<i8").tolist() == [5 * k]  # rows of the order the loop has taken
+        loader.close()
+        assert not pos.exists()
+
+
+def test_a_position_within_the_interval_is_written_while_the_loop_waits(src: Path, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches that come faster than the interval: the last position is still written once the interval has
+    passed, though no batch follows (the loop blocks, or trains for a while): the stager must not see it behind."""
+    from stagingloader.loader import orders
+
+    monkeypatch.setattr(orders, "POSITION_EVERY_S", 0.3)
+    with SimStager(src, tmp_path / "ds", publish=False) as sim:
+        ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
+        loader = sl.DataLoader(ds, batch_size=5, shuffle=True, num_workers=0,
+                               generator=torch.Generator().manual_seed(4))
+        pos = sim.sdir / f"pos-{stream.reader_id(0)}"
+        it = iter(loader)
+        next(it)  # within the interval of the epoch start's write: not written at once
+        next(it)
+        seen = np.fromfile(pos, dtype="<i8").tolist()
+        for _ in range(200):  # then nothing more from the loop
+            if seen == [10]:
+                break
+            time.sleep(0.02)
+            seen = np.fromfile(pos, dtype="<i8").tolist()
+        assert seen == [10]
         loader.close()
         assert not pos.exists()
 
