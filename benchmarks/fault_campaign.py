@@ -63,8 +63,8 @@ def killing(real):
             os.kill(os.getpid(), signal.SIGKILL)
         return real(*a, **k)
     return wrapper
-where = {"listing": (os, "scandir"), "range": (copier.Copier, "_fetch_range"),
-         "small-file": (copier.Copier, "_copy_small"), "journal": (incoming.Incoming, "flush"),
+where = {"listing": (os, "scandir"), "range": (copier.Copier, "_complete_range"),
+         "small-file": (copier.Copier, "_complete_batch"), "journal": (incoming.Incoming, "flush"),
          "manifest": (manifest.Manifest, "save"), "publish": (layout.DatasetDir, "publish"),
          "gc-version": (layout.DatasetDir, "remove_version"), "gc-unlink": (os, "unlink"),
          "gc-rmtree": (shutil, "rmtree"), "at-time": None}[step]
@@ -84,7 +84,7 @@ else:
 KILL_POINTS = {  # step -> the calls to die at (for "at-time": milliseconds after the stage starts)
     "listing": [1, 2, 3, 4, 5, 6],
     "range": [1, 2, 3, 4, 5],
-    "small-file": [1, 5, 10, 20, 30, 40, 64, 65, 80, 100, 128, 150, 180, 200, 220, 250, 299],
+    "small-file": [1, 2, 3, 4, 5],  # a batch of small files handled (journaled) by the stager: 300 files in 5
     "journal": [1, 2, 3, 4, 5],
     "manifest": [1],
     "publish": [1],
@@ -93,7 +93,7 @@ KILL_POINTS = {  # step -> the calls to die at (for "at-time": milliseconds afte
     "gc-unlink": [1, 5, 20, 60, 120, 200, 300, 400],
     "gc-rmtree": [1, 2],
 }
-QUICK_POINTS = {"listing": [2], "range": [3], "small-file": [70, 200], "journal": [2], "manifest": [1],
+QUICK_POINTS = {"listing": [2], "range": [3], "small-file": [2, 4], "journal": [2], "manifest": [1],
                 "publish": [1], "gc-version": [1], "gc-unlink": [50], "gc-rmtree": [1]}  # every one is reached
 
 

@@ -171,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("src", metavar="SRC", help="source: a path, s3://bucket/prefix, gs://..., https://..., or a glob")
     s.add_argument("--workers", type=_positive_int, metavar="N",
-                   help="parallel copies (default: 4 for paths, 32 for object stores, 16 for http); small files "
-                        "from paths use one thread or all N, whichever the copy measures faster")
+                   help="parallel copies: for paths, copy worker processes (default: one per usable core); for "
+                        "object stores and http, threads (default: 32 and 16)")
     s.add_argument("--verify", choices=("fast", "full"), default="fast",
                    help="how to check an existing staged copy: 'fast' trusts size + mtime, 'full' re-hashes")
     s.add_argument("--include", action="append", default=[], metavar="GLOB",

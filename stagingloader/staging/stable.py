@@ -78,6 +78,8 @@ def open_listed(path: str, f: SourceFile) -> tuple[int, Identity]:
             raise replaced(path)
         try:
             fd = os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_CLOEXEC)  # the same inode, never a new lookup
+            # so its identity is the one just taken (a change since shows in the identity taken after the read)
+            return fd, Identity(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev, st.st_ino)
         except FileNotFoundError:  # no /proc: open by name, then check it is still the same file
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
         except OSError as e:

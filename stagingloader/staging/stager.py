@@ -411,8 +411,8 @@ def _build_version(run: StageRun, lp: LockedPlan, progress: Progress, version: s
     incoming = lp.incoming
     to_copy = begin_version(run, lp)
     progress.set_size(sum(f.size for f in to_copy))
-    copier = Copier(run.source, incoming, CopySettings(workers=run.workers, fsync=incoming.fsync),
-                    expected=lp.expected, progress=progress, stop=threading.Event())
+    settings = CopySettings(workers=run.workers, fsync=incoming.fsync, processes=run.opts.workers)
+    copier = Copier(run.source, incoming, settings, expected=lp.expected, progress=progress, stop=threading.Event())
     try:
         copier.run(to_copy)
     except BaseException:

@@ -31,9 +31,10 @@ def _rewrite_in_place(path: Path, data: bytes) -> None:
 
 @pytest.fixture
 def readv_hook(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Callable[[int], None]]]:
-    """Run hooks after every ``os.readv`` of the copier (the local small-file read)."""
+    """Run hooks after every ``os.readv`` or ``os.sendfile`` of the copier (the local small-file reads: through a
+    buffer, or by the kernel from 64 KiB); a run of a few files copies in the stager's process."""
     hooks: list[Callable[[int], None]] = []
-    real = os.readv
+    real, real_sendfile = os.readv, os.sendfile
 
     def readv(fd: int, buffers: Any) -> int:
         n = real(fd, buffers)
@@ -41,7 +42,14 @@ def readv_hook(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Callable[[int],
             hook(fd)
         return n
 
+    def sendfile(out_fd: int, in_fd: int, offset: int | None, count: int) -> int:
+        n = real_sendfile(out_fd, in_fd, offset, count)
+        for hook in list(hooks):
+            hook(in_fd)
+        return n
+
     monkeypatch.setattr(os, "readv", readv)
+    monkeypatch.setattr(os, "sendfile", sendfile)
     yield hooks
 
 

@@ -1,0 +1,305 @@
+"""Copying one small file or one range of a large file: what a copy worker (a process or a thread) runs.
+
+Nothing here holds state between calls but a reusable buffer, so the same functions run in the stager's
+process, in its threads (remote sources) and in worker processes (:mod:`.workerpool`).
+
+A small local file is read through a reused buffer, hashed from it and written (``readv``/``write``),
+or, from :data:`SENDFILE_MIN` bytes, copied by the kernel (``sendfile``) and hashed from a read-only
+``mmap`` of the written temp file: one copy of each byte instead of two, and the digest is that of the
+bytes that were written (measured on this VM: 15-35 % less CPU for 100 KiB and 1 GiB files, 40 % more
+for 4 KiB ones, where the mapping costs more than the copy).  The source is never mapped: a source
+truncated under a mapping would kill the process with SIGBUS.
+
+Every file is written under a temp name in ``incoming/.partial``, checked against the source manifest's
+digest when there is one, and renamed into ``incoming/data``: a file there is whole and verified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import xxhash
+
+from .. import digest as dg
+from ..errors import NoSpaceError, RootError, SourceChangedError, StagingError, VerificationError
+from . import stable
+from .incoming import Incoming
+from .retry import RetryPolicy, as_source_error, call_with_retry, is_transient_os_error
+from .sources import SourceFile
+
+log = logging.getLogger(__name__)
+
+SENDFILE_MIN = 64 << 10  #: smaller files go through the buffer (see the module docstring)
+BUFFER_SIZE = 1 << 20  #: the reused read buffer of small files
+_NO_SENDFILE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV, errno.ESPIPE}
+
+
+class StopFlag(Protocol):
+    """A ``threading.Event`` or a ``multiprocessing`` one: only ``is_set`` is used."""
+
+    def is_set(self) -> bool: ...
+
+
+#: (rel, size, mtime_ns, etag, digest): an Entry's fields, cheap to send between processes
+EntryTuple = tuple[str, int, int, str, str]
+#: a small file to copy: the listed file, where it is (a local path; for messages otherwise), its expected digest
+Item = tuple[SourceFile, str, str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """Where and how files are written; sent once to every worker process."""
+
+    incoming: str  #: the incoming folder (``data/`` and ``.partial/`` are under it)
+    source_url: str  #: for messages
+    fsync: bool
+    retry: RetryPolicy
+
+
+class Worker:
+    """The per-worker state: a reused buffer, the folders already created, the temp-name counter."""
+
+    def __init__(self, target: Target, stop: StopFlag, read_range: Callable[[str, int, int, str], bytes] | None = None
+                 ) -> None:
+        self.target = target
+        self.stop = stop
+        self.read_range = read_range  #: a remote source's reader (threads only)
+        self.incoming = Incoming(Path(target.incoming))
+        self.partial = f"{target.incoming}/.partial/{os.getpid()}-"
+        self.data = f"{target.incoming}/data"
+        self.sendfile = True
+        self._local = threading.local()  #: each thread's reused buffer
+        self._names = 0
+        self._lock = threading.Lock()
+
+    def buffer(self) -> memoryview:
+        buf: bytearray | None = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = bytearray(BUFFER_SIZE)  # touched once, then reused (fresh pages are slow here)
+        return memoryview(buf)
+
+    # ---- small files -------------------------------------------------------------------------
+    def copy_batch(self, items: list[Item]) -> tuple[list[EntryTuple], BaseException | None]:
+        """Copy small files one after the other; return the entries of those renamed into ``data/`` and the error
+        that stopped the batch (None if none did)."""
+        done: list[EntryTuple] = []
+        for f, path, want in items:
+            if self.stop.is_set():
+                break
+            try:
+                done.append(self.copy_small(f, path, want))
+            except BaseException as e:  # handed to the caller, which re-raises it
+                return done, as_root_error(e)
+        return done, None
+
+    def copy_small(self, f: SourceFile, path: str, want: str) -> EntryTuple:
+        """Copy one small file (``path``: where a local source has it) and rename it into ``data/``."""
+        tmp = f"{self.partial}{self.new_name()}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            if self.read_range is None:
+                mtime_ns, size, digest = self._read_local(f, path, fd)
+                etag = ""
+            else:
+                data = self.read_range(f.rel, 0, f.size, f.etag) if f.size else b""
+                digest = dg.digest_bytes(data)
+                write_out(fd, memoryview(data))
+                mtime_ns, size, etag = f.mtime_ns, f.size, f.etag
+            if mtime_ns:
+                os.utime(fd, ns=(mtime_ns, mtime_ns))
+            if self.target.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)
+        self.publish(path, tmp, f"{self.data}/{f.rel}", digest, want)
+        return (f.rel, size, mtime_ns, etag, digest)
+
+    def new_name(self) -> str:
+        with self._lock:
+            self._names += 1
+            return str(self._names)
+
+    def _read_local(self, f: SourceFile, path: str, out_fd: int) -> tuple[int, int, str]:
+        """Copy a local file into ``out_fd``; return the (mtime_ns, size, digest) copied.
+
+        The bytes are one state of the file the listing named, or the file is refused (see :mod:`.stable`).
+        A transient error of a mounted share (EIO, ESTALE...) starts the copy again, with back-off.
+        """
+        tries = 0
+
+        def attempt() -> tuple[int, int, str] | None:
+            nonlocal tries
+            tries += 1
+            if tries > 1:  # start again from nothing: only a retry pays these calls
+                os.lseek(out_fd, 0, os.SEEK_SET)
+                os.ftruncate(out_fd, 0)
+            src, before = stable.open_listed(path, f)
+            try:
+                if self.sendfile and before.size >= SENDFILE_MIN:
+                    size, digest = self._sendfile(src, out_fd, before.size, path)
+                else:
+                    size, digest = self._through_buffer(src, out_fd, before.size, path)
+                after = stable.identity(src)
+            finally:
+                os.close(src)
+            return (after.mtime_ns, size, digest) if after == before and size == after.size else None
+
+        for _ in range(stable.READ_TRIES):
+            got = call_with_retry(attempt, path, self.target.retry, self.stop)  # type: ignore[arg-type]
+            if got is not None:
+                return got
+            log.info("%s changed while it was copied: reading it again", path)
+        raise stable.changing(path)
+
+    def _through_buffer(self, src: int, out_fd: int, expect: int, path: str) -> tuple[int, str]:
+        """Copy ``expect`` bytes (the size when opened: no read at the end only to meet it; a file that grew or
+        shrank meanwhile shows in its identity after the copy)."""
+        view = self.buffer()
+        hasher = dg.new_hasher()
+        size = 0
+        while size < expect and (n := read_source(src, view[:expect - size], path)):
+            hasher.update(view[:n])
+            write_out(out_fd, view[:n])
+            size += n
+        return size, dg.format_digest(hasher)
+
+    def _sendfile(self, src: int, out_fd: int, size: int, path: str) -> tuple[int, str]:
+        try:
+            copied = sendfile_range(src, out_fd, 0, size, path)
+        except OSError as e:
+            if e.errno not in _NO_SENDFILE or os.lseek(out_fd, 0, os.SEEK_CUR):
+                raise
+            self.sendfile = False  # this source's file system cannot: the buffer from now on
+            return self._through_buffer(src, out_fd, size, path)
+        return copied, hash_written(out_fd, 0, copied)[1]
+
+    def publish(self, where: str, tmp: str, final: str, digest: str, want: str) -> None:
+        """Rename a finished temp file into ``data/``, if it matches the source manifest's digest (when known);
+        ``where`` names the source file in the error."""
+        if want and want != digest:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise VerificationError(
+                f"{where}: digest {digest} does not match the source manifest's {want}; the bytes were corrupted "
+                "on the way or the source changed since `stagingloader manifest` ran (run it again if the change "
+                "is intended)")
+        self.incoming.ensure_parent(final)
+        os.rename(tmp, final)
+
+    # ---- ranges of large files -----------------------------------------------------------------
+    def copy_range(self, f: SourceFile, path: str, tmp: str, offset: int, length: int) -> str:
+        """Copy ``length`` bytes at ``offset`` of a large file into its temp file; return the range's digest if the
+        bytes passed through memory here (a remote source), else ""."""
+        fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if self.read_range is not None:
+                data = memoryview(self.read_range(f.rel, offset, offset + length, f.etag))
+                if len(data) != length:
+                    raise SourceChangedError(f"{path}: a range came back with {len(data)} "
+                                             f"bytes, not {length}; stage again once the source is stable")
+                pwrite_all(fd, data, offset)
+                return dg.digest_bytes(data)
+
+            def attempt() -> int:
+                src, _ = stable.open_listed(path, f)
+                try:
+                    os.lseek(fd, offset, os.SEEK_SET)
+                    return sendfile_range(src, fd, offset, length, path)
+                finally:
+                    os.close(src)
+
+            n = call_with_retry(attempt, path, self.target.retry, self.stop)  # type: ignore[arg-type]
+            if n != length:
+                raise SourceChangedError(f"{path} shrank while it was copied; stage again once it is stable")
+            return ""  # hashed by the stager with the whole file, from one mapping of the pages (see largefiles)
+        finally:
+            os.close(fd)
+
+
+def sendfile_range(src: int, out_fd: int, offset: int, length: int, path: str) -> int:
+    """``sendfile`` ``length`` bytes at ``offset`` of ``src`` to ``out_fd``'s position; the bytes copied (fewer
+    when the source ended first).  Source errors as :func:`read_source` says, target errors as the root's."""
+    done = 0
+    while done < length:
+        try:
+            n = os.sendfile(out_fd, src, offset + done, length - done)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG):
+                raise as_root_error(e) from e
+            if is_transient_os_error(e) or e.errno in _NO_SENDFILE:
+                raise
+            raise as_source_error(e, path) from e
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def hash_written(fd: int, offset: int, length: int) -> tuple[xxhash.xxh3_128, str]:
+    """xxh3-128 of ``length`` bytes at ``offset`` (a multiple of the page size) of a file we wrote, read from a
+    mapping of its pages (no copy); the hasher and its digest."""
+    hasher = dg.new_hasher()
+    if length:
+        with mmap.mmap(fd, length, prot=mmap.PROT_READ, offset=offset) as m:
+            hasher.update(m)
+    return hasher, dg.format_digest(hasher)
+
+
+def read_source(fd: int, view: memoryview, path: str, offset: int | None = None) -> int:
+    """Read from a local source: a transient error as it is (to be retried), any other as a SourceError."""
+    try:
+        return os.readv(fd, [view]) if offset is None else os.preadv(fd, [view], offset)
+    except OSError as e:
+        if is_transient_os_error(e):
+            raise
+        raise as_source_error(e, path) from e
+
+
+def write_out(fd: int, view: memoryview) -> None:
+    """Write to the staged copy: its errors are the staging root's (no space, read-only), never retried."""
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as e:
+        err = as_root_error(e)
+        raise (err if isinstance(err, StagingError) else RootError(f"writing the staged copy failed: {e}")) from e
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    try:
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
+    except OSError as e:
+        err = as_root_error(e)
+        raise (err if isinstance(err, StagingError) else RootError(f"writing the staged copy failed: {e}")) from e
+
+
+def as_root_error(exc: BaseException) -> BaseException:
+    """An error met while writing the staging root, as the user should read it: no space, read-only, or as is."""
+    if isinstance(exc, StagingError):
+        return exc
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" writing {exc.filename}" if exc.filename else ""
+        return NoSpaceError(f"the staging root ran out of space{where}; partial files were removed, finished "
+                            "ones are kept: free space (stagingloader gc) or pick a bigger --root, then stage again")
+    if isinstance(exc, OSError) and exc.errno == errno.EROFS:
+        return RootError(f"the staging root is read-only ({exc.filename}); remount it or pick another --root")
+    return exc
+
+
+__all__ = ["SENDFILE_MIN", "EntryTuple", "Item", "StopFlag", "Target", "Worker", "as_root_error", "hash_written",
+           "pwrite_all", "read_source", "sendfile_range", "write_out"]

@@ -1,0 +1,114 @@
+"""The files a copy run is given, pulled lazily: only as many as the copier asks for.
+
+A list (what a stage copies) is read directly.  Any other iterable, such as a streaming stage's schedule, a
+generator whose next file depends on what the loader needs and on which files are done, is pulled in a thread
+of its own, one file per credit the copier grants: it may block (waiting for files to be done, or for room in
+the cache) while the copier goes on collecting the workers' results, which is what unblocks it.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import threading
+from collections.abc import Iterable, Sequence
+
+from .sources import SourceFile
+
+
+class Wakeup:
+    """A socket the copier's dispatcher waits on beside its workers'; any thread may ring it."""
+
+    def __init__(self) -> None:
+        self.reader, self._writer = socket.socketpair()
+        self.reader.setblocking(False)
+        self._writer.setblocking(False)
+
+    def ring(self) -> None:
+        try:
+            self._writer.send(b"!")
+        except (BlockingIOError, OSError):  # full (it rang plenty) or closed: nothing to add
+            pass
+
+    def drain(self) -> None:
+        try:
+            while self.reader.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        self.reader.close()
+        self._writer.close()
+
+
+class Feed:
+    """What the copier takes files from: :meth:`take` never blocks; :meth:`ask` says how many more it wants."""
+
+    def __init__(self, files: Iterable[SourceFile], wakeup: Wakeup) -> None:
+        self._direct = isinstance(files, Sequence)
+        self._it = iter(files)
+        self._wakeup = wakeup
+        self._items: collections.deque[SourceFile] = collections.deque()
+        self._credits = threading.Semaphore(0)
+        self.asked = 0  #: files asked for and not taken yet
+        self.ended = False  #: the iterable is exhausted (and, pulled in a thread, every file it gave was taken)
+        self.error: BaseException | None = None
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        if not self._direct:
+            self._thread = threading.Thread(target=self._pull, name="stagingloader-copy-feed", daemon=True)
+            self._thread.start()
+
+    def take(self) -> SourceFile | None:
+        """The next file if there is one now; None at the end, or (pulled in a thread) while it is coming."""
+        if self._direct:
+            try:
+                return next(self._it)
+            except StopIteration:
+                self.ended = True
+                return None
+        if self._items:
+            self.asked -= 1
+            return self._items.popleft()
+        if self._done and not self._items:
+            self.ended = True
+        return None
+
+    def ask(self, count: int) -> None:
+        """Pull up to ``count`` more files (in the feed's thread)."""
+        if not self._direct and count > 0 and not self._done:
+            self.asked += count
+            self._credits.release(count)
+
+    @property
+    def _done(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
+    def _pull(self) -> None:
+        try:
+            while True:
+                self._credits.acquire()
+                if self._closing:
+                    return
+                try:
+                    f = next(self._it)
+                except StopIteration:
+                    return
+                self._items.append(f)
+                self._wakeup.ring()
+        except BaseException as e:  # the caller's iterable failed: re-raised by the copier
+            self.error = e
+        finally:
+            self._wakeup.ring()
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop pulling; False if the iterable is still blocked after ``timeout`` (it was asked to stop)."""
+        if self._thread is None:
+            return True
+        self._closing = True
+        self._credits.release()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+__all__ = ["Feed", "Wakeup"]
