@@ -83,7 +83,7 @@ class _LazyBatch(GatheredBatch):
 def _resolve(staged: StagedDataset | str | os.PathLike[str]) -> tuple[Path, list[str], list[int]]:
     """(data folder, relative paths, sizes) from a StagedDataset, a staged folder, or any folder."""
     if isinstance(staged, StagedDataset):
-        return staged.root, list(staged.manifest.path), list(staged.manifest.size)
+        return staged.root, list(staged.manifest.path), staged.manifest.size.tolist()
     path = Path(staged)
     try:
         ddir, version = find_dataset_dir(path)
@@ -95,7 +95,7 @@ def _resolve(staged: StagedDataset | str | os.PathLike[str]) -> tuple[Path, list
         raise DatasetNotFoundError(f"{ddir.path} holds no complete staged version yet: wait for its stager, or stage "
                                    "it again (stagingloader stage SRC)")
     m = ddir.load_manifest(version)  # a truncated or foreign manifest: ManifestError, naming it
-    return ddir.version_dir(version) / "data", list(m.path), list(m.size)
+    return ddir.version_dir(version) / "data", list(m.path), m.size.tolist()
 
 
 def _walk(path: Path) -> tuple[Path, list[str], list[int]]:

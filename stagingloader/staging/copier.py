@@ -27,7 +27,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,8 +229,9 @@ class Copier:
         self._gate = _Gate(settings.workers, adaptive=source.is_local)
 
     # ---- driver ----------------------------------------------------------------------------
-    def run(self, files: Sequence[SourceFile]) -> None:
-        """Copy ``files``; on the first failure stop, clean up, and raise it."""
+    def run(self, files: Iterable[SourceFile]) -> None:
+        """Copy ``files`` (pulled lazily: a stager hands them out one at a time from its columns); on the first
+        failure stop, clean up, and raise it."""
         s = self.settings
         slots = _Slots(s.workers + min(s.workers, 4), s.range_size)
         futures: set[Future[None]] = set()
@@ -252,7 +253,7 @@ class Copier:
         if self._error is not None:
             raise self._error
 
-    def _tasks(self, files: Sequence[SourceFile]) -> Iterator[tuple[Any, ...]]:
+    def _tasks(self, files: Iterable[SourceFile]) -> Iterator[tuple[Any, ...]]:
         """Small files in batches (one task, one buffer, one progress update for many files); large ones by range."""
         s = self.settings
         batch: list[SourceFile] = []

@@ -5,27 +5,48 @@
 ``data/`` with no journal line (the journal is flushed in batches) is deleted at resume and
 copied again; a journal line whose file is gone is forgotten.  Large files keep their
 finished ranges in ``.partial/<id>`` with a ``.ranges`` journal, so they resume mid-file.
+
+In memory, what this run records is kept in columns by listing row (:meth:`Incoming.track` hands the
+copier its files and remembers each one's row until its entry comes back): row, size, mtime and the
+16-byte digest, no object per file.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import json
 import os
 import stat
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from .. import digest as dg
 from ..cache import trust
+from ..cache.columns import Int64Array, digest_raw, int_column
 from ..cache.manifest import Entry
 from ..errors import CacheError
 from ..fsio import atomic_write
-from .sources import SourceFile
+from .listing import Listing, SourceFile
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recorded:
+    """Entries recorded by one run, in columns by listing row (``etags`` only where one was recorded)."""
+
+    rows: Int64Array
+    size: Int64Array
+    mtime_ns: Int64Array
+    digest: npt.NDArray[np.uint8]
+    etags: dict[int, str]
+    extra: list[Entry]
 
 
 def partial_id(rel: str) -> str:
@@ -49,7 +70,14 @@ class Incoming:
         self._last_flush = time.monotonic()
         self._fd: int | None = None
         self._dirs: set[str] = set()
-        self.entries: list[Entry] = []  #: every entry recorded by this process
+        self._pending: dict[str, int] = {}  # rel -> listing row, for the files handed out and not yet recorded
+        self._listing: Listing | None = None
+        self._rows = array.array("q")
+        self._size = array.array("q")
+        self._mtime = array.array("q")
+        self._digest = bytearray()
+        self._etags: dict[int, str] = {}  # row -> etag, where one was recorded
+        self._extra: list[Entry] = []  # entries of files not handed out by track()
 
     def open(self) -> None:
         self.data.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -69,13 +97,67 @@ class Incoming:
         self.record_many([entry])
 
     def record_many(self, entries: list[Entry]) -> None:
+        """Journal ``entries`` (whole, verified files under ``data/``) and file them by listing row."""
         lines = [json.dumps([e.path, e.size, e.mtime_ns, e.etag, e.digest], ensure_ascii=False) for e in entries]
         with self._lock:
-            self.entries.extend(entries)
+            pending = self._pending
+            for e in entries:
+                row = pending.pop(e.path, -1)
+                if row < 0:
+                    self._extra.append(e)
+                    continue
+                self._rows.append(row)
+                self._size.append(e.size)
+                self._mtime.append(e.mtime_ns)
+                self._digest += digest_raw(e.digest)
+                if e.etag:
+                    self._etags[row] = e.etag
             self._buffer.extend(lines)
             due = len(self._buffer) >= self.FLUSH_EVERY or time.monotonic() - self._last_flush > self.FLUSH_SECONDS
         if due:
             self.flush()
+
+    def journal(self, entries: list[Entry]) -> None:
+        """Journal ``entries`` without filing them (files whose entries the caller already holds: hard links)."""
+        lines = [json.dumps([e.path, e.size, e.mtime_ns, e.etag, e.digest], ensure_ascii=False) for e in entries]
+        with self._lock:
+            self._buffer.extend(lines)
+        self.flush()
+
+    def track(self, listing: Listing, rows: Int64Array) -> Iterator[SourceFile]:
+        """The files at ``rows`` of ``listing``, made one at a time for the copier; each one's row is remembered
+        until its entry is recorded, so that :meth:`record_many` files it in columns."""
+        self._listing = listing
+        return listing.iter_rows(rows, on_row=self._expect)
+
+    def _expect(self, rel: str, row: int) -> None:
+        with self._lock:
+            self._pending[rel] = row
+
+    def row_of(self, rel: str) -> int:
+        """The listing row of a file handed out by :meth:`track` and not yet recorded, else -1."""
+        return self._pending.get(rel, -1)
+
+    def recorded(self) -> Recorded:
+        """What this process recorded, by listing row, and the entries of files :meth:`track` did not hand out."""
+        with self._lock:
+            n = len(self._rows)
+            return Recorded(
+                rows=int_column(self._rows), size=int_column(self._size), mtime_ns=int_column(self._mtime),
+                digest=np.frombuffer(self._digest, dtype=np.uint8).reshape(n, 16) if n else
+                np.zeros((0, 16), dtype=np.uint8),
+                etags=dict(self._etags), extra=list(self._extra))
+
+    @property
+    def entries(self) -> list[Entry]:
+        """Every entry recorded by this process (made on access)."""
+        rec = self.recorded()
+        out = list(rec.extra)
+        if self._listing is not None:
+            for k, row in enumerate(rec.rows.tolist()):
+                out.append(Entry(self._listing.path[row], int(rec.size[k]), int(rec.mtime_ns[k]),
+                                 rec.etags.get(row, ""), dg.PREFIX + rec.digest[k].tobytes().hex()))
+        return out
 
     def flush(self) -> None:
         with self._lock:

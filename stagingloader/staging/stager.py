@@ -18,13 +18,16 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..cache import leases, trust
 from ..cache.capacity import Tier, resolve_root
+from ..cache.columns import CHUNK_ROWS, DigestColumn, Int64Array, StrColumn, digest_raw, join
 from ..cache.layout import DatasetDir, current_user, dataset_key, safe_join
 from ..cache.locking import DatasetLock
 from ..cache.manifest import Entry, Manifest
@@ -34,9 +37,10 @@ from ..units import human_bytes
 from .copier import Copier, CopySettings, Progress, as_root_error
 from .copyplan import CORRUPT, CopyPlan, make_plan
 from .incoming import Incoming
+from .listing import Listing
 from .result import StagedDataset, StageReport
 from .sharding import take_shard
-from .sources import Source, SourceFile
+from .sources import Source
 from .verify import check_fast, check_full
 
 log = logging.getLogger(__name__)
@@ -117,8 +121,8 @@ def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = N
     say = on_event or (lambda text: log.info("%s", text))
     t0 = time.perf_counter()
     source = Source(src, opts.storage_options)
-    listing = take_shard(source.listing(opts.include, opts.exclude), opts.shard)
-    total = sum(f.size for f in listing)
+    listing = Listing.of(take_shard(source.listing(opts.include, opts.exclude), opts.shard))
+    total = listing.total_bytes
     identity = source.identity() + _selection_suffix(opts)
     key = dataset_key(identity)
     tier, why = resolve_root(opts.root, total, key, max_ram_fraction=opts.max_ram_fraction, env=env,
@@ -162,7 +166,7 @@ class _Run:
     """What one ``stage`` call works on: the source and its listing, the options, the tier and the dataset folder."""
 
     source: Source
-    listing: list[SourceFile]
+    listing: Listing
     opts: StageOptions
     tier: Tier
     why: str
@@ -204,7 +208,7 @@ def _use_read_only(run: _Run) -> StagedDataset:
     plan = make_plan(run.listing, manifest, base_bad=_check_base(run, version, manifest, _expected_digests(source)))
     if not plan.up_to_date:
         raise RootError(f"the shared copy {ddir.path} ({version}) differs from {source.url} in "
-                        f"{len(plan.copy) + plan.removed} files and only its owner can update it; read the source "
+                        f"{len(plan.copy_rows) + plan.removed} files and only its owner can update it; read the source "
                         "directly, or ask for it to be staged again")
     run.say(f"using the shared copy {ddir.path} ({version}) read-only: its stager holds the lease")
     report = _report(run, plan, manifest, version, copier=None)
@@ -232,7 +236,7 @@ def _stage_locked(run: _Run, *, identity: str, callback: Any, on_file: Callable[
     expected = _expected_digests(run.source)
     base_bad = _check_base(run, base_version, base, expected)
     incoming = Incoming(ddir.incoming, fsync=run.fsync)
-    done, stray = incoming.load({f.rel: f for f in run.listing}) if ddir.incoming.exists() else ({}, 0)
+    done, stray = incoming.load(run.listing.by_path()) if ddir.incoming.exists() else ({}, 0)
     plan = make_plan(run.listing, base, base_bad=base_bad, incoming=done, free_bytes=run.tier.budget + stray)
     _refuse_if_short(run, plan)
     copier = None
@@ -259,7 +263,7 @@ def _dry_run(run: _Run) -> StagePlan:
     base_version, base = _load_base(ddir, run.say, publish=False) if ddir.path.is_dir() else (None, None)
     base_bad = _check_base(run, base_version, base, _expected_digests(run.source))
     incoming = Incoming(ddir.incoming, fsync=False)
-    done, stray = incoming.load({f.rel: f for f in run.listing}) if ddir.incoming.is_dir() else ({}, 0)
+    done, stray = incoming.load(run.listing.by_path()) if ddir.incoming.is_dir() else ({}, 0)
     plan = make_plan(run.listing, base, base_bad=base_bad, incoming=done, free_bytes=run.tier.budget + stray)
     return StagePlan(run.source.url, str(run.tier.path), run.why, str(ddir.path), plan)
 
@@ -274,7 +278,7 @@ def _record_dataset(run: _Run, identity: str) -> None:
 
 
 def _check_base(run: _Run, base_version: str | None, base: Manifest | None,
-                expected: dict[str, str]) -> dict[str, str]:
+                expected: Manifest | None) -> dict[str, str]:
     """Files of the published version that must not be reused: bad on disk, queued for repair, or not what
     the source manifest says."""
     if base is None or base_version is None:
@@ -286,9 +290,12 @@ def _check_base(run: _Run, base_version: str | None, base: Manifest | None,
         base_bad = check_fast(data, base)
     for rel in run.ddir.read_repairs().get(base_version, []):
         base_bad.setdefault(rel, CORRUPT)
-    for rel, digest in zip(base.path, base.digest):
-        if expected.get(rel, digest) != digest:
-            base_bad.setdefault(rel, CORRUPT)
+    if expected is not None:  # the source manifest's digests, compared column-wise
+        rows = join(base.path, expected.path)
+        known = np.flatnonzero(rows >= 0)
+        differ = (base.digest.array[known] != expected.digest.array[rows[known]]).any(axis=1)
+        for i in known[differ].tolist():
+            base_bad.setdefault(base.path[i], CORRUPT)
     return base_bad
 
 
@@ -319,14 +326,14 @@ def _take_lease(run: _Run, version: str, holder_pid: int | None) -> str | None:
 
 
 def _report(run: _Run, plan: CopyPlan, manifest: Manifest, version: str, copier: Copier | None) -> StageReport:
-    copied = plan.copy if not plan.up_to_date else ()
     return StageReport(
         source=run.source.url, staging_root=str(run.tier.path), tier=run.tier.kind, root_reason=run.why,
         dataset_dir=str(run.ddir.path), version=version, files=len(manifest), bytes=manifest.total_bytes,
-        copied_files=len(copied), copied_bytes=copier.bytes_copied if copier else 0,
+        copied_files=len(plan.copy_rows) if not plan.up_to_date else 0,
+        copied_bytes=copier.bytes_copied if copier else 0,
         resumed_bytes=copier.bytes_resumed if copier else 0,
-        reused_files=plan.reused_files, linked_files=len(plan.link),
-        repaired_files=sum(1 for _, r in copied if r in ("missing", "corrupt")),
+        reused_files=plan.reused_files, linked_files=len(plan.link_rows),
+        repaired_files=plan.repaired_files if not plan.up_to_date else 0,
         removed_files=plan.removed, seconds=time.perf_counter() - run.t0, new_version=not plan.up_to_date,
         reasons=dict(plan.reasons),
     )
@@ -349,13 +356,13 @@ def _load_base(ddir: DatasetDir, say: Callable[[str], None], *,
         return None, None
 
 
-def _expected_digests(source: Source) -> dict[str, str]:
-    m = source.read_manifest()
-    return dict(zip(m.path, m.digest)) if m is not None else {}
+def _expected_digests(source: Source) -> Manifest | None:
+    """The source's own manifest (``stagingloader manifest``), whose digests every copy must match."""
+    return source.read_manifest()
 
 
 def _build_version(run: _Run, plan: CopyPlan, incoming: Incoming, done: dict[str, Entry],
-                   expected: dict[str, str], progress: Progress, base_version: str | None,
+                   expected: Manifest | None, progress: Progress, base_version: str | None,
                    version: str) -> tuple[Manifest, Copier]:
     """Copy what the plan says into ``incoming``, write its manifest, and publish it as ``version``."""
     ddir, listing = run.ddir, run.listing
@@ -365,14 +372,16 @@ def _build_version(run: _Run, plan: CopyPlan, incoming: Incoming, done: dict[str
     incoming.path.mkdir(mode=0o755, exist_ok=True)
     incoming.rewrite_journal(list(plan.keep))
     incoming.open()
-    to_copy = [f for f, _ in plan.copy]
-    if plan.link and base_version is not None:
-        to_copy += _link_unchanged(ddir.version_dir(base_version) / "data", incoming, plan.link, listing)
-    progress.set_size(sum(f.size for f in to_copy))
+    to_copy = plan.copy_rows
+    if len(plan.link_rows) and base_version is not None and plan.base is not None:
+        fallback = _link_unchanged(ddir.version_dir(base_version) / "data", incoming, plan)
+        to_copy = np.sort(np.concatenate([to_copy, fallback]))
+    progress.set_size(int(listing.size[to_copy].sum()))
     copier = Copier(run.source, incoming, CopySettings(workers=run.workers, fsync=incoming.fsync),
-                    expected=expected, progress=progress, stop=threading.Event())
+                    expected=expected.digests(incoming.row_of) if expected is not None else None,
+                    progress=progress, stop=threading.Event())
     try:
-        copier.run(to_copy)
+        copier.run(incoming.track(listing, to_copy))
     except BaseException:
         with contextlib.suppress(OSError):  # e.g. a full disk: the copier's error is the one to report
             incoming.close()
@@ -381,12 +390,7 @@ def _build_version(run: _Run, plan: CopyPlan, incoming: Incoming, done: dict[str
         incoming.close()
     except OSError as e:  # the journal's last lines did not fit: a full disk, said as such
         raise as_root_error(e) from e
-    entries = {e.path: e for e in plan.keep}
-    entries.update((e.path, e) for e in incoming.entries)
-    missing = [f.rel for f in listing if f.rel not in entries]
-    if missing:
-        raise InternalError(f"{len(missing)} files were not staged, e.g. {missing[0]}")
-    manifest = Manifest.from_entries(run.source.url, list(entries.values()))
+    manifest = _new_manifest(run, plan, incoming)
     try:
         manifest.save(ddir.incoming / "manifest.json", fsync=incoming.fsync)
     except OSError as e:
@@ -399,30 +403,68 @@ def _build_version(run: _Run, plan: CopyPlan, incoming: Incoming, done: dict[str
     return manifest, copier
 
 
-def _link_unchanged(base_data: Path, incoming: Incoming, link: Sequence[Entry],
-                    listing: Sequence[SourceFile]) -> list[SourceFile]:
-    """Hard-link unchanged files from the published version; return those that must be copied."""
-    fallback: list[str] = []
-    linked: list[Entry] = []
-    for e in link:
-        dest = safe_join(incoming.data, e.path)
-        incoming.ensure_parent(dest)
-        try:
-            os.link(safe_join(base_data, e.path), dest, follow_symlinks=False)
-        except FileExistsError:
-            os.unlink(dest)
-            os.link(safe_join(base_data, e.path), dest, follow_symlinks=False)
-        except OSError as err:
-            if err.errno not in (errno.EMLINK, errno.EPERM, errno.EXDEV, errno.ENOTSUP):
-                raise
-            fallback.append(e.path)
-            continue
-        linked.append(e)
-    incoming.record_many(linked)
-    if not fallback:
-        return []
-    wanted = set(fallback)
-    return [f for f in listing if f.rel in wanted]
+def _new_manifest(run: _Run, plan: CopyPlan, incoming: Incoming) -> Manifest:
+    """The new version's manifest, column by column: the listing's paths; each row's size, mtime, etag and
+    digest from the published version (hard links), the interrupted run (kept) or this run (copied)."""
+    listing = run.listing
+    n = len(listing)
+    size, mtime = listing.size.copy(), listing.mtime_ns.copy()
+    digest = np.zeros((n, 16), dtype=np.uint8)
+    have = np.zeros(n, dtype=bool)
+    etags: dict[int, str] = {}
+    base, lrows, brows = plan.base, plan.link_rows, plan.link_base_rows
+    if base is not None and len(lrows):  # rows that fell back to a copy are overwritten below
+        size[lrows], mtime[lrows], digest[lrows] = base.size[brows], base.mtime_ns[brows], base.digest.array[brows]
+        have[lrows] = True
+        if base.etag.any_nonempty():
+            etags.update((r, base.etag[b]) for r, b in zip(lrows.tolist(), brows.tolist()))
+    rec = incoming.recorded()
+    extra = [(listing.find(e.path), e) for e in [*plan.keep, *rec.extra]]
+    for row, e in extra:
+        if row >= 0:
+            size[row], mtime[row], digest[row] = e.size, e.mtime_ns, np.frombuffer(digest_raw(e.digest), np.uint8)
+            have[row] = True
+            etags[row] = e.etag
+    size[rec.rows], mtime[rec.rows], digest[rec.rows] = rec.size, rec.mtime_ns, rec.digest
+    have[rec.rows] = True
+    etags.update(rec.etags)
+    if not bool(have.all()):
+        missing = np.flatnonzero(~have)
+        raise InternalError(f"{len(missing)} files were not staged, e.g. {listing.path[int(missing[0])]}")
+    etag = listing.etag
+    if any(listing.etag[r] != t for r, t in etags.items()):
+        column = list(listing.etag)
+        for r, t in etags.items():
+            column[r] = t
+        etag = StrColumn.from_strs(column)
+    return Manifest(run.source.url, listing.path, size, mtime, etag, DigestColumn(digest), sorted_by_bytes=True)
+
+
+def _link_unchanged(base_data: Path, incoming: Incoming, plan: CopyPlan) -> Int64Array:
+    """Hard-link unchanged files from the published version; return the listing rows that must be copied."""
+    base = plan.base
+    assert base is not None
+    fallback: list[int] = []
+    for start in range(0, len(plan.link_rows), CHUNK_ROWS):
+        linked: list[Entry] = []
+        rows = plan.link_rows[start:start + CHUNK_ROWS].tolist()
+        for row, brow in zip(rows, plan.link_base_rows[start:start + CHUNK_ROWS].tolist()):
+            rel = base.path[brow]
+            dest = safe_join(incoming.data, rel)
+            incoming.ensure_parent(dest)
+            try:
+                os.link(safe_join(base_data, rel), dest, follow_symlinks=False)
+            except FileExistsError:
+                os.unlink(dest)
+                os.link(safe_join(base_data, rel), dest, follow_symlinks=False)
+            except OSError as err:
+                if err.errno not in (errno.EMLINK, errno.EPERM, errno.EXDEV, errno.ENOTSUP):
+                    raise
+                fallback.append(row)
+                continue
+            linked.append(base.entry(brow))
+        incoming.journal(linked)
+    return np.array(fallback, dtype=np.int64)
 
 
 def _remove_unleased(ddir: DatasetDir, keep: str) -> None:

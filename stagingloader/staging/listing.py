@@ -1,0 +1,328 @@
+"""A source's listing in columns: relative paths (one blob), sizes, mtimes, etags, devices and inodes.
+
+:class:`Listing` is what ``Source.listing()`` returns: sorted by the UTF-8 bytes of the relative path
+(code-point order, as Python sorts ``str``), held as arrays, and read as a sequence of :class:`SourceFile`
+made on access, so the copier and everything that iterates a listing is unchanged while a listing of
+10,000,000 files stays a few hundred MB.  :func:`scan_local` walks a local tree straight into the columns,
+already in order: each folder's entries sorted by name (a folder's name with a ``/`` appended, as it
+appears in its files' paths), folders descended in place.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import stat
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import overload
+
+import numpy as np
+
+from ..cache.columns import CHUNK_ROWS, Int64Array, StrBuilder, StrColumn, as_int64, encode, int_column
+from ..errors import SourceError, UnsafePathError
+
+
+@dataclass(frozen=True, slots=True)
+class SourceFile:
+    """One file of a listing: its relative path under the source, size and fingerprint."""
+
+    rel: str
+    size: int
+    mtime_ns: int
+    etag: str = ""
+    dev: int = 0  #: a local file's device and inode as listed: the copier refuses another file under its name
+    ino: int = 0
+
+
+class Listing(Sequence[SourceFile]):
+    """Files of a source in columns, sorted by path bytes; ``listing[i]`` is a :class:`SourceFile`."""
+
+    __slots__ = ("dev", "etag", "ino", "mtime_ns", "path", "size")
+
+    def __init__(self, path: StrColumn, size: Int64Array, mtime_ns: Int64Array, etag: StrColumn | None = None,
+                 dev: Int64Array | None = None, ino: Int64Array | None = None) -> None:
+        n = len(path)
+        self.path = path
+        self.size = size
+        self.mtime_ns = mtime_ns
+        self.etag = etag if etag is not None else StrColumn.empty(n)
+        self.dev = dev if dev is not None else np.zeros(n, dtype=np.int64)
+        self.ino = ino if ino is not None else np.zeros(n, dtype=np.int64)
+
+    @classmethod
+    def from_files(cls, files: Iterable[SourceFile], *, presorted: bool = False) -> Listing:
+        """Columns from SourceFile objects (remote listings, tests), sorted by path bytes."""
+        rows = list(files)
+        if not presorted:
+            rows.sort(key=lambda f: encode(f.rel))
+        etags = [f.etag for f in rows]
+        return cls(StrColumn.from_strs(f.rel for f in rows), as_int64([f.size for f in rows]),
+                   as_int64([f.mtime_ns for f in rows]),
+                   StrColumn.from_strs(etags) if any(etags) else StrColumn.empty(len(rows)),
+                   as_int64([f.dev for f in rows]), as_int64([f.ino for f in rows]))
+
+    @classmethod
+    def of(cls, files: Sequence[SourceFile]) -> Listing:
+        """``files`` as a Listing (itself if it is one)."""
+        return files if isinstance(files, Listing) else cls.from_files(files)
+
+    def __len__(self) -> int:
+        return len(self.path)
+
+    def row(self, i: int) -> SourceFile:
+        return SourceFile(self.path[i], int(self.size[i]), int(self.mtime_ns[i]), self.etag[i], int(self.dev[i]),
+                          int(self.ino[i]))
+
+    @overload
+    def __getitem__(self, i: int) -> SourceFile: ...
+    @overload
+    def __getitem__(self, i: slice) -> Listing: ...
+    def __getitem__(self, i: int | slice) -> SourceFile | Listing:
+        if isinstance(i, slice):
+            return self.take(np.arange(*i.indices(len(self)), dtype=np.int64))
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.row(i)
+
+    def __iter__(self) -> Iterator[SourceFile]:
+        return self.iter_rows(None)
+
+    def iter_rows(self, rows: Int64Array | None, on_row: Callable[[str, int], None] | None = None,
+                  ) -> Iterator[SourceFile]:
+        """SourceFile objects for ``rows`` (all when None), made a chunk at a time; ``on_row(rel, row)`` sees each."""
+        n = len(self) if rows is None else len(rows)
+        has_etag = self.etag.any_nonempty()
+        for start in range(0, n, CHUNK_ROWS):
+            part = np.arange(start, min(n, start + CHUNK_ROWS)) if rows is None else rows[start:start + CHUNK_ROWS]
+            rels = (self.path.raw(int(r)).decode("utf-8", "surrogateescape") for r in part)
+            etags = (self.etag[int(r)] for r in part) if has_etag else iter(lambda: "", None)
+            for r, rel, size, mtime, etag, dev, ino in zip(part.tolist(), rels, self.size[part].tolist(),
+                                                           self.mtime_ns[part].tolist(), etags,
+                                                           self.dev[part].tolist(), self.ino[part].tolist()):
+                if on_row is not None:
+                    on_row(rel, r)
+                yield SourceFile(rel, size, mtime, etag, dev, ino)
+
+    def take(self, rows: Int64Array) -> Listing:
+        return Listing(self.path.take(rows), self.size[rows], self.mtime_ns[rows],
+                       self.etag.take(rows) if self.etag.any_nonempty() else StrColumn.empty(len(rows)),
+                       self.dev[rows], self.ino[rows])
+
+    def mask(self, keep: np.ndarray) -> Listing:
+        return self if bool(keep.all()) else self.take(np.flatnonzero(keep).astype(np.int64))
+
+    def find(self, rel: str) -> int:
+        return self.path.find(rel)
+
+    @classmethod
+    def concat(cls, parts: Sequence[Listing]) -> Listing:
+        """The listings one after the other (their columns concatenated; nothing per file)."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(StrColumn.concat([p.path for p in parts]), _cat([p.size for p in parts]),
+                   _cat([p.mtime_ns for p in parts]), StrColumn.concat([p.etag for p in parts]),
+                   _cat([p.dev for p in parts]), _cat([p.ino for p in parts]))
+
+    def by_path(self) -> Mapping[str, SourceFile]:
+        """A read-only path -> SourceFile view (binary search; nothing built per file)."""
+        return _ByPath(self)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.size.sum())
+
+    def __repr__(self) -> str:
+        return f"Listing({len(self)} files, {self.total_bytes} bytes)"
+
+
+def _cat(arrays: Sequence[Int64Array]) -> Int64Array:
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+
+
+class _ByPath(Mapping[str, SourceFile]):
+    def __init__(self, listing: Listing) -> None:
+        self.listing = listing
+
+    def __getitem__(self, rel: str) -> SourceFile:
+        i = self.listing.find(rel)
+        if i < 0:
+            raise KeyError(rel)
+        return self.listing.row(i)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.listing.path)
+
+    def __len__(self) -> int:
+        return len(self.listing)
+
+
+class ListingBuilder:
+    """Appends scanned files to growing columns (no object per file), then freezes them into a :class:`Listing`."""
+
+    def __init__(self) -> None:
+        self.paths = StrBuilder()
+        self.size = array.array("q")
+        self.mtime = array.array("q")
+        self.dev = array.array("q")
+        self.ino = array.array("q")
+
+    def add(self, rel: bytes, st: os.stat_result) -> None:
+        self.paths.add(rel)
+        self.size.append(st.st_size)
+        self.mtime.append(st.st_mtime_ns)
+        self.dev.append(st.st_dev)
+        self.ino.append(st.st_ino)
+
+    def extend(self, other: Listing) -> None:
+        for raw, size, mtime, dev, ino in zip(other.path.iter_raw(), other.size.tolist(), other.mtime_ns.tolist(),
+                                              other.dev.tolist(), other.ino.tolist()):
+            self.paths.add(raw)
+            self.size.append(size)
+            self.mtime.append(mtime)
+            self.dev.append(dev)
+            self.ino.append(ino)
+
+    def listing(self) -> Listing:
+        return Listing(self.paths.column(), int_column(self.size), int_column(self.mtime), None,
+                       int_column(self.dev), int_column(self.ino))
+
+
+def _sorted_entries(path: bytes, only: Collection[bytes] | None = None) -> list[os.DirEntry[bytes]]:
+    """A folder's entries in the order their paths sort: a folder as ``name/``."""
+    entries = list(os.scandir(path))  # read to the end: the iterator closes itself
+    if only is not None:
+        entries = [e for e in entries if e.name in only]
+    entries.sort(key=lambda e: e.name + b"/" if e.is_dir() else e.name)
+    return entries
+
+
+def scan_local(top: str, base: str, prefix: str, out: ListingBuilder, *, skip_top: bytes = b"",
+               on_error: Callable[[OSError, str], Exception], only: Collection[bytes] | None = None) -> None:
+    """Walk ``top`` (a real path inside ``base``) into ``out`` in sorted order, following symlinks that stay
+    inside ``base``.  ``skip_top`` names a file of ``top`` itself left out (the source manifest); ``only``, if
+    given, the entries of ``top`` to walk (a worker's share of a parallel scan).
+
+    The loop is the listing's hot path (one ``stat`` per file): regular files go straight into the columns."""
+    btop, bbase = os.fsencode(top), os.fsencode(base).rstrip(b"/") + b"/"
+    top_st = os.stat(btop)
+    try:
+        first = _sorted_entries(btop, only)
+    except OSError as e:
+        raise on_error(e, top) from e
+    stack: list[tuple[Iterator[os.DirEntry[bytes]], bytes, frozenset[tuple[int, int]]]] = [
+        (iter(first), os.fsencode(prefix), frozenset({(top_st.st_dev, top_st.st_ino)}))
+    ]
+    blob, ends = out.paths.blob, out.paths.ends
+    add_end, add_size, add_mtime, add_dev, add_ino = (ends.append, out.size.append, out.mtime.append,
+                                                       out.dev.append, out.ino.append)
+    is_reg, is_dir = stat.S_ISREG, stat.S_ISDIR
+    while stack:
+        entries, rel_prefix, ancestors = stack[-1]
+        for entry in entries:
+            name = entry.name
+            if skip_top and name == skip_top and len(stack) == 1:
+                continue
+            try:
+                st = _follow_inside(entry, bbase, base) if entry.is_symlink() else entry.stat(follow_symlinks=False)
+            except UnsafePathError:
+                raise
+            except OSError as e:
+                if isinstance(e, FileNotFoundError):
+                    if not os.path.lexists(entry.path):
+                        continue  # removed (or renamed away) while the folder was listed: not part of this listing
+                    if entry.is_symlink():
+                        raise SourceError(f"{os.fsdecode(entry.path)}: broken symlink to "
+                                          f"{os.fsdecode(os.readlink(entry.path))}") from None
+                raise on_error(e, os.fsdecode(entry.path)) from e
+            mode = st.st_mode
+            if is_reg(mode):
+                blob += rel_prefix
+                blob += name
+                add_end(len(blob))
+                add_size(st.st_size)
+                add_mtime(st.st_mtime_ns)
+                add_dev(st.st_dev)
+                add_ino(st.st_ino)
+                if b"\\" in name or b"\\" in rel_prefix:
+                    _refuse_backslash(rel_prefix + name)
+            elif is_dir(mode):
+                key = (st.st_dev, st.st_ino)
+                if key in ancestors:
+                    raise SourceError(f"{os.fsdecode(entry.path)}: symlink loop (it leads back to one of its parents)")
+                try:
+                    children = _sorted_entries(entry.path)
+                except OSError as e:
+                    raise on_error(e, os.fsdecode(entry.path)) from e
+                stack.append((iter(children), rel_prefix + name + b"/", ancestors | {key}))
+                break
+        else:
+            stack.pop()
+
+
+def _follow_inside(entry: os.DirEntry[bytes], bbase: bytes, base: str) -> os.stat_result:
+    real = os.path.realpath(entry.path)
+    if not real.startswith(bbase):
+        raise UnsafePathError(
+            f"refusing {os.fsdecode(entry.path)}: it is a symlink to {os.fsdecode(real)}, outside "
+            f"the source {base}; copy the target into the source or exclude the link with --exclude"
+        )
+    return os.stat(entry.path)
+
+
+def _refuse_backslash(rel: bytes) -> None:
+    raise UnsafePathError(f"refusing unsafe name {os.fsdecode(rel)!r} in the source: it is empty, absolute or "
+                          "has NUL/\\")
+
+
+def scan_staged(top: str | os.PathLike[str], only: Collection[bytes] | None = None) -> Listing:
+    """A staged tree (ours, in the cache) in sorted columns, never through a link: a link or anything but a
+    regular file or folder is listed with size -1, so that it matches no manifest entry's fingerprint."""
+    out = ListingBuilder()
+    try:
+        first = _sorted_entries_nofollow(os.fsencode(top), only)
+    except FileNotFoundError:
+        return out.listing()
+    stack: list[tuple[Iterator[os.DirEntry[bytes]], bytes]] = [(iter(first), b"")]
+    blob, ends = out.paths.blob, out.paths.ends
+    add_end, add_size, add_mtime, add_dev, add_ino = (ends.append, out.size.append, out.mtime.append,
+                                                       out.dev.append, out.ino.append)
+    is_reg = stat.S_ISREG
+    while stack:
+        entries, rel_prefix = stack[-1]
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                try:
+                    children = _sorted_entries_nofollow(entry.path)
+                except FileNotFoundError:
+                    continue
+                stack.append((iter(children), rel_prefix + entry.name + b"/"))
+                break
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            blob += rel_prefix
+            blob += entry.name
+            add_end(len(blob))
+            if is_reg(st.st_mode):
+                add_size(st.st_size)
+                add_mtime(st.st_mtime_ns)
+            else:
+                add_size(-1)
+                add_mtime(-1)
+            add_dev(st.st_dev)
+            add_ino(st.st_ino)
+        else:
+            stack.pop()
+    return out.listing()
+
+
+def _sorted_entries_nofollow(path: bytes, only: Collection[bytes] | None = None) -> list[os.DirEntry[bytes]]:
+    entries = list(os.scandir(path))
+    if only is not None:
+        entries = [e for e in entries if e.name in only]
+    entries.sort(key=lambda e: e.name + b"/" if e.is_dir(follow_symlinks=False) else e.name)
+    return entries
