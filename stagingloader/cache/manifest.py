@@ -155,15 +155,15 @@ class Manifest:
         """One digest over every (path, size, digest): equal digests mean equal datasets."""
         if self._dataset_digest is None:
             hasher = dg.new_hasher()
+            prefix = dg.PREFIX.encode()
+            blob = memoryview(self.path.blob)
             for start in range(0, len(self), CHUNK_ROWS):
                 end = min(len(self), start + CHUNK_ROWS)
-                rows = range(start, end)
-                sizes = self.size[start:end].tolist()
-                digests = self.digest.array[start:end].tobytes()
+                offs = self.path.offsets[start:end + 1].tolist()
+                hexes = self.digest.array[start:end].tobytes().hex().encode()
                 hasher.update(b"".join(
-                    b"%s\0%d\0%s%s\n" % (self.path.raw(i), sizes[k], dg.PREFIX.encode(),
-                                         digests[16 * k:16 * k + 16].hex().encode())
-                    for k, i in enumerate(rows)))
+                    b"%s\0%d\0%s%s\n" % (blob[a:b], size, prefix, hexes[32 * k:32 * k + 32])
+                    for k, (a, b, size) in enumerate(zip(offs, offs[1:], self.size[start:end].tolist()))))
             self._dataset_digest = dg.format_digest(hasher)
         return self._dataset_digest
 

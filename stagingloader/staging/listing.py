@@ -15,7 +15,7 @@ import os
 import stat
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, overload
 
 import numpy as np
 
@@ -176,27 +176,30 @@ class ListingBuilder:
         self.dev.append(st.st_dev)
         self.ino.append(st.st_ino)
 
-    def extend(self, other: Listing) -> None:
-        for raw, size, mtime, dev, ino in zip(other.path.iter_raw(), other.size.tolist(), other.mtime_ns.tolist(),
-                                              other.dev.tolist(), other.ino.tolist()):
-            self.paths.add(raw)
-            self.size.append(size)
-            self.mtime.append(mtime)
-            self.dev.append(dev)
-            self.ino.append(ino)
-
     def listing(self) -> Listing:
         return Listing(self.paths.column(), int_column(self.size), int_column(self.mtime), None,
                        int_column(self.dev), int_column(self.ino))
 
 
-def _sorted_entries(path: bytes, only: Collection[bytes] | None = None) -> list[os.DirEntry[bytes]]:
-    """A folder's entries in the order their paths sort: a folder as ``name/``."""
-    entries = list(os.scandir(path))  # read to the end: the iterator closes itself
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def _sorted_entries(fd: int, only: Collection[bytes] | None = None, *, follow: bool = True,
+                    ) -> list[tuple[bytes, os.DirEntry[str]]]:
+    """A folder's entries (by its descriptor: each ``stat`` is then an ``fstatat`` of a name, no path walk) with
+    their names as bytes, in the order their paths sort: a folder as ``name/``."""
+    entries = [(os.fsencode(e.name), e) for e in os.scandir(fd)]  # read to the end: the iterator closes itself
     if only is not None:
-        entries = [e for e in entries if e.name in only]
-    entries.sort(key=lambda e: e.name + b"/" if e.is_dir() else e.name)
+        entries = [t for t in entries if t[0] in only]
+    entries.sort(key=lambda t: t[0] + b"/" if _is_dir(t[1], follow) else t[0])
     return entries
+
+
+def _is_dir(entry: os.DirEntry[str], follow: bool) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=follow)
+    except OSError:  # a link that loops: not a folder here; the walk's stat names it
+        return False
 
 
 def scan_local(top: str, base: str, prefix: str, out: ListingBuilder, *, skip_top: bytes = b"",
@@ -206,37 +209,65 @@ def scan_local(top: str, base: str, prefix: str, out: ListingBuilder, *, skip_to
     given, the entries of ``top`` to walk (a worker's share of a parallel scan).
 
     The loop is the listing's hot path (one ``stat`` per file): regular files go straight into the columns."""
-    btop, bbase = os.fsencode(top), os.fsencode(base).rstrip(b"/") + b"/"
-    top_st = os.stat(btop)
+    bbase = os.fsencode(base).rstrip(b"/") + b"/"
+    stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], bytes, bytes, int, frozenset[tuple[int, int]]]] = []
     try:
-        first = _sorted_entries(btop, only)
+        _push_dir(stack, os.fsencode(top), os.fsencode(prefix), frozenset(), only, on_error)
+        _walk_local(stack, bbase, base, skip_top, out, on_error)
+    finally:
+        for frame in stack:
+            os.close(frame[3])
+
+
+def _push_dir(stack: list[Any], path: bytes, rel_prefix: bytes, ancestors: frozenset[tuple[int, int]],
+              only: Collection[bytes] | None, on_error: Callable[[OSError, str], Exception]) -> None:
+    try:
+        fd = os.open(path, _DIR_FLAGS)
     except OSError as e:
-        raise on_error(e, top) from e
-    stack: list[tuple[Iterator[os.DirEntry[bytes]], bytes, frozenset[tuple[int, int]]]] = [
-        (iter(first), os.fsencode(prefix), frozenset({(top_st.st_dev, top_st.st_ino)}))
-    ]
+        raise on_error(e, os.fsdecode(path)) from e
+    try:
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        if key in ancestors:
+            raise SourceError(f"{os.fsdecode(path)}: symlink loop (it leads back to one of its parents)")
+        entries = _sorted_entries(fd, only)
+    except OSError as e:
+        os.close(fd)
+        raise on_error(e, os.fsdecode(path)) from e
+    except BaseException:
+        os.close(fd)
+        raise
+    stack.append((iter(entries), path, rel_prefix, fd, ancestors | {key}))
+
+
+def _walk_local(stack: list[Any], bbase: bytes, base: str, skip_top: bytes, out: ListingBuilder,
+                on_error: Callable[[OSError, str], Exception]) -> None:
     blob, ends = out.paths.blob, out.paths.ends
     add_end, add_size, add_mtime, add_dev, add_ino = (ends.append, out.size.append, out.mtime.append,
                                                        out.dev.append, out.ino.append)
     is_reg, is_dir = stat.S_ISREG, stat.S_ISDIR
     while stack:
-        entries, rel_prefix, ancestors = stack[-1]
-        for entry in entries:
-            name = entry.name
+        entries, path, rel_prefix, _fd, ancestors = stack[-1]
+        for name, entry in entries:
             if skip_top and name == skip_top and len(stack) == 1:
                 continue
             try:
-                st = _follow_inside(entry, bbase, base) if entry.is_symlink() else entry.stat(follow_symlinks=False)
+                if entry.is_symlink():
+                    full = path + b"/" + name
+                    st = _follow_inside(full, bbase, base)
+                else:
+                    st = entry.stat(follow_symlinks=False)
             except UnsafePathError:
                 raise
             except OSError as e:
+                full = path + b"/" + name
                 if isinstance(e, FileNotFoundError):
-                    if not os.path.lexists(entry.path):
+                    if not os.path.lexists(full):
                         continue  # removed (or renamed away) while the folder was listed: not part of this listing
                     if entry.is_symlink():
-                        raise SourceError(f"{os.fsdecode(entry.path)}: broken symlink to "
-                                          f"{os.fsdecode(os.readlink(entry.path))}") from None
-                raise on_error(e, os.fsdecode(entry.path)) from e
+                        raise SourceError(f"{os.fsdecode(full)}: broken symlink to "
+                                          f"{os.fsdecode(os.readlink(full))}") from None
+                raise on_error(e, os.fsdecode(full)) from e
             mode = st.st_mode
             if is_reg(mode):
                 blob += rel_prefix
@@ -249,27 +280,20 @@ def scan_local(top: str, base: str, prefix: str, out: ListingBuilder, *, skip_to
                 if b"\\" in name or b"\\" in rel_prefix:
                     _refuse_backslash(rel_prefix + name)
             elif is_dir(mode):
-                key = (st.st_dev, st.st_ino)
-                if key in ancestors:
-                    raise SourceError(f"{os.fsdecode(entry.path)}: symlink loop (it leads back to one of its parents)")
-                try:
-                    children = _sorted_entries(entry.path)
-                except OSError as e:
-                    raise on_error(e, os.fsdecode(entry.path)) from e
-                stack.append((iter(children), rel_prefix + name + b"/", ancestors | {key}))
+                _push_dir(stack, path + b"/" + name, rel_prefix + name + b"/", ancestors, None, on_error)
                 break
         else:
-            stack.pop()
+            os.close(stack.pop()[3])
 
 
-def _follow_inside(entry: os.DirEntry[bytes], bbase: bytes, base: str) -> os.stat_result:
-    real = os.path.realpath(entry.path)
+def _follow_inside(full: bytes, bbase: bytes, base: str) -> os.stat_result:
+    real = os.path.realpath(full)
     if not real.startswith(bbase):
         raise UnsafePathError(
-            f"refusing {os.fsdecode(entry.path)}: it is a symlink to {os.fsdecode(real)}, outside "
+            f"refusing {os.fsdecode(full)}: it is a symlink to {os.fsdecode(real)}, outside "
             f"the source {base}; copy the target into the source or exclude the link with --exclude"
         )
-    return os.stat(entry.path)
+    return os.stat(full)
 
 
 def _refuse_backslash(rel: bytes) -> None:
@@ -278,34 +302,51 @@ def _refuse_backslash(rel: bytes) -> None:
 
 
 def scan_staged(top: str | os.PathLike[str], only: Collection[bytes] | None = None) -> Listing:
-    """A staged tree (ours, in the cache) in sorted columns, never through a link: a link or anything but a
-    regular file or folder is listed with size -1, so that it matches no manifest entry's fingerprint."""
+    """A staged tree (ours, in the cache) in sorted columns, never through a link (folders are opened with
+    ``O_NOFOLLOW`` under their parent's descriptor): a link or anything but a regular file or folder is listed
+    with size -1, so that it matches no manifest entry's fingerprint."""
     out = ListingBuilder()
     try:
-        first = _sorted_entries_nofollow(os.fsencode(top), only)
+        fd = os.open(top, _DIR_FLAGS | os.O_NOFOLLOW)
     except FileNotFoundError:
         return out.listing()
-    stack: list[tuple[Iterator[os.DirEntry[bytes]], bytes]] = [(iter(first), b"")]
+    stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], bytes, int]] = []
+    try:
+        stack.append((iter(_sorted_entries(fd, only, follow=False)), b"", fd))
+        _walk_staged(stack, out)
+    finally:
+        for frame in stack:
+            os.close(frame[2])
+    return out.listing()
+
+
+def _walk_staged(stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], bytes, int]],
+                 out: ListingBuilder) -> None:
     blob, ends = out.paths.blob, out.paths.ends
     add_end, add_size, add_mtime, add_dev, add_ino = (ends.append, out.size.append, out.mtime.append,
                                                        out.dev.append, out.ino.append)
     is_reg = stat.S_ISREG
     while stack:
-        entries, rel_prefix = stack[-1]
-        for entry in entries:
+        entries, rel_prefix, fd = stack[-1]
+        for name, entry in entries:
             if entry.is_dir(follow_symlinks=False):
                 try:
-                    children = _sorted_entries_nofollow(entry.path)
+                    child = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
                 except FileNotFoundError:
                     continue
-                stack.append((iter(children), rel_prefix + entry.name + b"/"))
+                try:
+                    children = _sorted_entries(child, follow=False)
+                except BaseException:
+                    os.close(child)
+                    raise
+                stack.append((iter(children), rel_prefix + name + b"/", child))
                 break
             try:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
             blob += rel_prefix
-            blob += entry.name
+            blob += name
             add_end(len(blob))
             if is_reg(st.st_mode):
                 add_size(st.st_size)
@@ -316,13 +357,4 @@ def scan_staged(top: str | os.PathLike[str], only: Collection[bytes] | None = No
             add_dev(st.st_dev)
             add_ino(st.st_ino)
         else:
-            stack.pop()
-    return out.listing()
-
-
-def _sorted_entries_nofollow(path: bytes, only: Collection[bytes] | None = None) -> list[os.DirEntry[bytes]]:
-    entries = list(os.scandir(path))
-    if only is not None:
-        entries = [e for e in entries if e.name in only]
-    entries.sort(key=lambda e: e.name + b"/" if e.is_dir(follow_symlinks=False) else e.name)
-    return entries
+            os.close(stack.pop()[2])

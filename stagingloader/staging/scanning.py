@@ -33,21 +33,34 @@ def default_workers() -> int:
 
 
 def _runs(names: list[bytes], workers: int) -> list[frozenset[bytes]]:
+    """Cut the sorted names into ``workers`` runs whose walks follow each other in the listing's order.
+
+    The walk sorts a folder as ``name/``, so a folder ``a`` walks after a file ``a.b``: a cut must never
+    separate a name from the names it is a prefix of (they sort next to it); anywhere else the two orders agree.
+    """
     n = len(names)
-    cuts = [n * k // workers for k in range(workers + 1)]
+    seen = set(names)
+    cuts = [0]
+    for k in range(1, workers):
+        c = max(cuts[-1], n * k // workers)
+        while 0 < c < n and any(names[c][:j] in seen and names[c][:j] <= names[c - 1]
+                                for j in range(1, len(names[c]))):
+            c += 1
+        cuts.append(c)
+    cuts.append(n)
     return [frozenset(names[a:b]) for a, b in itertools.pairwise(cuts) if b > a]
 
 
 def _in_parallel(top: str, workers: int, scan: Callable[[frozenset[bytes] | None], Listing]) -> Listing:
     try:
-        # the order the scan walks them in (a folder as name/): runs must not interleave in the listing
-        names = [e.name for e in sorted(os.scandir(os.fsencode(top)),
-                                        key=lambda e: e.name + b"/" if e.is_dir() else e.name)]
+        names = sorted(os.listdir(os.fsencode(top)))
     except OSError:
         return scan(None)  # the serial scan says what is wrong, as it always did
     if workers < 2 or len(names) < MIN_ENTRIES:
         return scan(None)
     runs = _runs(names, workers)
+    if len(runs) < 2:
+        return scan(None)
     ctx = multiprocessing.get_context("fork")  # the child runs only the scan: no threads, locks or imports
     with ProcessPoolExecutor(len(runs) - 1, mp_context=ctx) as pool:
         futures = [pool.submit(scan, run) for run in runs[1:]]
