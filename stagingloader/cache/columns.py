@@ -21,6 +21,7 @@ import xxhash
 from .. import digest as dg
 
 Int64Array = npt.NDArray[np.int64]
+RowArray = npt.NDArray[np.signedinteger[Any]]  #: row numbers (int64, or int32 where that is enough)
 CHUNK_ROWS = 1 << 16  #: rows turned into Python objects at a time when a column is iterated
 
 
@@ -37,7 +38,7 @@ class StrColumn(Sequence[str]):
 
     __slots__ = ("blob", "offsets")
 
-    def __init__(self, blob: bytes | bytearray, offsets: Int64Array) -> None:
+    def __init__(self, blob: bytes | bytearray | memoryview, offsets: Int64Array) -> None:
         self.blob = blob
         self.offsets = offsets
 
@@ -111,8 +112,9 @@ class StrColumn(Sequence[str]):
 
     def same_as(self, other: StrColumn) -> bool:
         """The same strings in the same order (a comparison of two buffers, no per-row work)."""
-        return len(self) == len(other) and self.blob == other.blob and bool(np.array_equal(self.offsets,
-                                                                                           other.offsets))
+        return (len(self) == len(other) and len(self.blob) == len(other.blob)
+                and bool(np.array_equal(self.offsets, other.offsets))
+                and bool(np.array_equal(_u8(self.blob), _u8(other.blob))))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, StrColumn):
@@ -161,6 +163,10 @@ class StrColumn(Sequence[str]):
 
     def __repr__(self) -> str:
         return f"StrColumn({len(self)} strings, {len(self.blob)} bytes)"
+
+
+def _u8(blob: bytes | bytearray | memoryview) -> npt.NDArray[np.uint8]:
+    return np.frombuffer(blob, dtype=np.uint8) if len(blob) else np.zeros(0, dtype=np.uint8)
 
 
 class StrBuilder:
@@ -304,8 +310,7 @@ def _join_dict(left: StrColumn, right: StrColumn) -> Int64Array:
 def _rows_equal(a: StrColumn, arows: Int64Array, b: StrColumn, brows: Int64Array) -> npt.NDArray[np.bool_]:
     """Row by row: is ``a[arows[k]] == b[brows[k]]``?  Compared in chunks with numpy."""
     out = np.zeros(len(arows), dtype=bool)
-    ab = np.frombuffer(a.blob, dtype=np.uint8) if len(a.blob) else np.zeros(0, np.uint8)
-    bb = np.frombuffer(b.blob, dtype=np.uint8) if len(b.blob) else np.zeros(0, np.uint8)
+    ab, bb = _u8(a.blob), _u8(b.blob)
     for start in range(0, len(arows), CHUNK_ROWS):
         ar, br = arows[start:start + CHUNK_ROWS], brows[start:start + CHUNK_ROWS]
         a0, b0 = a.offsets[ar], b.offsets[br]

@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import digest as dg
 from ..errors import ManifestError
-from ..fsio import atomic_write
+from ..fsio import atomic_write_parts
 from .columns import CHUNK_ROWS, DigestColumn, Int64Array, StrColumn, as_int64, encode
 
 FORMAT = "stagingloader-manifest"
@@ -187,41 +187,45 @@ class Manifest:
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogateescape")
 
     # ---- version 2: a JSON header line, then binary columns --------------------------------------
-    def to_bytes(self) -> bytes:
-        """Version 2: a header line of JSON, then the columns (little-endian), then nothing."""
-        parts = {
-            "path_offsets": self.path.offsets.astype("<i8", copy=False).tobytes(),
-            "path_blob": bytes(self.path.blob),
-            "size": self.size.astype("<i8", copy=False).tobytes(),
-            "mtime_ns": self.mtime_ns.astype("<i8", copy=False).tobytes(),
-            "etag_offsets": self.etag.offsets.astype("<i8", copy=False).tobytes(),
-            "etag_blob": bytes(self.etag.blob),
-            "digest": self.digest.array.tobytes(),
+    def _v2_parts(self) -> list[bytes | memoryview]:
+        """Version 2 as the header line and then views of the columns (no copy of a column is made)."""
+        def le(a: Int64Array) -> memoryview:
+            return np.ascontiguousarray(a, dtype="<i8").data.cast("B")
+
+        columns: dict[str, memoryview] = {
+            "path_offsets": le(self.path.offsets), "path_blob": memoryview(self.path.blob).cast("B"),
+            "size": le(self.size), "mtime_ns": le(self.mtime_ns), "etag_offsets": le(self.etag.offsets),
+            "etag_blob": memoryview(self.etag.blob).cast("B"),
+            "digest": np.ascontiguousarray(self.digest.array).data.cast("B"),
         }
         layout: dict[str, list[int]] = {}
-        chunks: list[bytes] = []
+        body: list[bytes | memoryview] = []
+        hasher = dg.new_hasher()
         at = 0
         for name in _V2_COLUMNS:
-            data = parts[name]
+            data = columns[name]
+            pad = b"\0" * (-len(data) % _ALIGN)
             layout[name] = [at, len(data)]
-            pad = -len(data) % _ALIGN
-            chunks.append(data)
-            chunks.append(b"\0" * pad)
-            at += len(data) + pad
-        body = b"".join(chunks)
-        del chunks, parts
+            for part in (data, pad):
+                hasher.update(part)
+                body.append(part)
+            at += len(data) + len(pad)
         header = {
             "format": FORMAT, "version": 2, "source": self.source, "created": self.created,
             "algorithm": dg.ALGORITHM, "files": len(self), "total_bytes": self.total_bytes,
             "dataset_digest": self.dataset_digest, "order": "bytes" if self.sorted_by_bytes else "any",
-            "columns": layout, "body_bytes": len(body), "body_digest": dg.digest_bytes(body), "complete": True,
+            "columns": layout, "body_bytes": at, "body_digest": dg.format_digest(hasher), "complete": True,
         }
         line = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii") + b"\n"
-        return line + body
+        return [line, *body]
+
+    def to_bytes(self) -> bytes:
+        """Version 2: a header line of JSON, then the columns (little-endian), then nothing."""
+        return b"".join(self._v2_parts())
 
     def save(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
-        """Write version 2 atomically (temp name, then rename)."""
-        atomic_write(path, self.to_bytes(), fsync=fsync)
+        """Write version 2 atomically (temp name, then rename), a column at a time."""
+        atomic_write_parts(path, self._v2_parts(), fsync=fsync)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Manifest:
@@ -352,8 +356,8 @@ def _parse_v2(header: dict[str, Any], raw: bytes | bytearray, start: int, where:
     digest = col("digest")
     if len(digest) != 16 * n:
         raise ManifestError(f"manifest {where} is inconsistent: column digest does not have {n} entries")
-    m = Manifest(header.get("source", ""), StrColumn(bytes(path_blob), path_off), ints("size", n),
-                 ints("mtime_ns", n), StrColumn(bytes(etag_blob), etag_off),
+    m = Manifest(header.get("source", ""), StrColumn(path_blob, path_off), ints("size", n),
+                 ints("mtime_ns", n), StrColumn(etag_blob, etag_off),
                  DigestColumn(np.frombuffer(digest, dtype=np.uint8).reshape(n, 16)), header.get("created", 0.0),
                  sorted_by_bytes=header.get("order") == "bytes")
     if isinstance(header.get("dataset_digest"), str) and dg.is_digest(header["dataset_digest"]):

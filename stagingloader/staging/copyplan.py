@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from ..cache.columns import Int64Array, join
+from ..cache.columns import Int64Array, RowArray, join
 from ..cache.manifest import Entry, Manifest
 from .listing import Listing, SourceFile
 
@@ -31,7 +31,7 @@ _NONE = np.zeros(0, dtype=np.int64)
 class _CopyRows(Sequence[tuple[SourceFile, str]]):
     """``plan.copy``: (file, reason) pairs made on access from the plan's rows."""
 
-    def __init__(self, listing: Listing, rows: Int64Array, reasons: npt.NDArray[np.uint8]) -> None:
+    def __init__(self, listing: Listing, rows: RowArray, reasons: npt.NDArray[np.uint8]) -> None:
         self.listing, self.rows, self.reasons = listing, rows, reasons
 
     def __len__(self) -> int:
@@ -73,7 +73,7 @@ class CopyPlan:
     up_to_date: bool
     listing: Listing
     base: Manifest | None = None
-    copy_rows: Int64Array = field(default_factory=lambda: _NONE)
+    copy_rows: RowArray = field(default_factory=lambda: _NONE)
     copy_reasons: npt.NDArray[np.uint8] = field(default_factory=lambda: np.zeros(0, dtype=np.uint8))
     link_rows: Int64Array = field(default_factory=lambda: _NONE)
     link_base_rows: Int64Array = field(default_factory=lambda: _NONE)
@@ -181,7 +181,6 @@ def make_plan(
     if base is not None and not incoming and not base_bad and unchanged(files, base):
         return CopyPlan(up_to_date=True, listing=files, base=base, total_files=n, total_bytes=total,
                         free_bytes=free_bytes)
-    every = np.arange(n, dtype=np.int64)
     if base is not None:
         base_row = join(files.path, base.path)
         known = np.flatnonzero(base_row >= 0)
@@ -192,7 +191,7 @@ def make_plan(
         codes[same] = bad[base_row[same]]
         removed = len(base) - len(known)
     else:
-        base_row = np.full(n, -1, dtype=np.int64)
+        base_row = _NONE
         codes = np.full(n, _CODE[NEW], dtype=np.uint8)
         removed = 0
     link = codes == 0
@@ -203,22 +202,26 @@ def make_plan(
         if row >= 0 and not link[row] and done.same_source(int(files.size[row]), int(files.mtime_ns[row]),
                                                             files.etag[row]):
             keep_mask[row] = True
-    keep_rows = every[keep_mask]
+    keep_rows = np.flatnonzero(keep_mask).astype(np.int64)
     kept = set()
     for row in keep_rows.tolist():
         rel = files.path[row]
         keep.append(incoming[rel])
         kept.add(rel)
     drop = tuple(sorted(p for p in incoming if p not in kept))
-    copy_rows = every[~link & ~keep_mask]
+    link_rows = np.flatnonzero(link).astype(np.int64)
+    rows_dtype = np.int32 if n < 1 << 31 else np.int64  # a first stage copies every row: 4 bytes a file, not 8
+    copy_rows = (np.arange(n, dtype=rows_dtype) if not len(link_rows) and not len(keep_rows)
+                 else np.flatnonzero(~link & ~keep_mask).astype(rows_dtype))
+    del link, keep_mask
     if base is not None and not len(copy_rows) and not len(keep_rows) and removed == 0:
         return CopyPlan(up_to_date=True, listing=files, base=base, drop=tuple(sorted(incoming)), total_files=n,
                         total_bytes=total, free_bytes=free_bytes)
     copy_reasons = codes[copy_rows]
     counts = np.bincount(copy_reasons, minlength=len(REASONS))
     reasons = {REASONS[c]: int(k) for c, k in enumerate(counts.tolist()) if k}
-    link_rows = every[link]
     return CopyPlan(up_to_date=False, listing=files, base=base, copy_rows=copy_rows, copy_reasons=copy_reasons,
-                    link_rows=link_rows, link_base_rows=base_row[link_rows], keep=tuple(keep), keep_rows=keep_rows,
+                    link_rows=link_rows, link_base_rows=base_row[link_rows] if len(link_rows) else _NONE,
+                    keep=tuple(keep), keep_rows=keep_rows,
                     drop=drop, removed=removed, total_files=n, total_bytes=total, free_bytes=free_bytes,
                     reasons=reasons)

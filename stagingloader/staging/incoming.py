@@ -13,7 +13,6 @@ copier its files and remembers each one's row until its entry comes back): row, 
 
 from __future__ import annotations
 
-import array
 import contextlib
 import json
 import os
@@ -30,7 +29,7 @@ import xxhash
 
 from .. import digest as dg
 from ..cache import trust
-from ..cache.columns import Int64Array, digest_raw, int_column
+from ..cache.columns import Int64Array, RowArray, digest_raw
 from ..cache.manifest import Entry
 from ..errors import CacheError
 from ..fsio import atomic_write
@@ -39,14 +38,18 @@ from .listing import Listing, SourceFile
 
 @dataclass(frozen=True, kw_only=True)
 class Recorded:
-    """Entries recorded by one run, in columns by listing row (``etags`` only where one was recorded)."""
+    """Entries recorded by one run, by listing row: ``have`` marks the rows recorded, ``digest`` holds their
+    16-byte digests (one row per listing row); size, mtime and etag are the listing's except where the copier
+    recorded another (``changed``: row -> (size, mtime_ns, etag), rare: a file that changed as it was read)."""
 
-    rows: Int64Array
-    size: Int64Array
-    mtime_ns: Int64Array
+    have: npt.NDArray[np.bool_]
     digest: npt.NDArray[np.uint8]
-    etags: dict[int, str]
+    changed: dict[int, tuple[int, int, str]]
     extra: list[Entry]
+
+    @property
+    def rows(self) -> Int64Array:
+        return np.flatnonzero(self.have).astype(np.int64)
 
 
 def partial_id(rel: str) -> str:
@@ -72,11 +75,9 @@ class Incoming:
         self._dirs: set[str] = set()
         self._pending: dict[str, int] = {}  # rel -> listing row, for the files handed out and not yet recorded
         self._listing: Listing | None = None
-        self._rows = array.array("q")
-        self._size = array.array("q")
-        self._mtime = array.array("q")
-        self._digest = bytearray()
-        self._etags: dict[int, str] = {}  # row -> etag, where one was recorded
+        self._have = np.zeros(0, dtype=bool)  # per listing row: recorded by this run
+        self._digest = np.zeros((0, 16), dtype=np.uint8)  # per listing row: its digest, once recorded
+        self._changed: dict[int, tuple[int, int, str]] = {}  # row -> what was recorded, where not the listing's
         self._extra: list[Entry] = []  # entries of files not handed out by track()
 
     def open(self) -> None:
@@ -106,12 +107,13 @@ class Incoming:
                 if row < 0:
                     self._extra.append(e)
                     continue
-                self._rows.append(row)
-                self._size.append(e.size)
-                self._mtime.append(e.mtime_ns)
-                self._digest += digest_raw(e.digest)
-                if e.etag:
-                    self._etags[row] = e.etag
+                self._have[row] = True
+                self._digest[row] = np.frombuffer(digest_raw(e.digest), dtype=np.uint8)
+                listing = self._listing
+                assert listing is not None
+                if e.size != listing.size[row] or e.mtime_ns != listing.mtime_ns[row] or e.etag != (
+                        listing.etag[row] if listing.etag.any_nonempty() else ""):
+                    self._changed[row] = (e.size, e.mtime_ns, e.etag)
             self._buffer.extend(lines)
             due = len(self._buffer) >= self.FLUSH_EVERY or time.monotonic() - self._last_flush > self.FLUSH_SECONDS
         if due:
@@ -124,10 +126,13 @@ class Incoming:
             self._buffer.extend(lines)
         self.flush()
 
-    def track(self, listing: Listing, rows: Int64Array) -> Iterator[SourceFile]:
+    def track(self, listing: Listing, rows: RowArray) -> Iterator[SourceFile]:
         """The files at ``rows`` of ``listing``, made one at a time for the copier; each one's row is remembered
         until its entry is recorded, so that :meth:`record_many` files it in columns."""
-        self._listing = listing
+        if self._listing is not listing:
+            self._listing = listing
+            self._have = np.zeros(len(listing), dtype=bool)
+            self._digest = np.zeros((len(listing), 16), dtype=np.uint8)
         return listing.iter_rows(rows, on_row=self._expect)
 
     def _expect(self, rel: str, row: int) -> None:
@@ -141,12 +146,8 @@ class Incoming:
     def recorded(self) -> Recorded:
         """What this process recorded, by listing row, and the entries of files :meth:`track` did not hand out."""
         with self._lock:
-            n = len(self._rows)
-            return Recorded(
-                rows=int_column(self._rows), size=int_column(self._size), mtime_ns=int_column(self._mtime),
-                digest=np.frombuffer(self._digest, dtype=np.uint8).reshape(n, 16) if n else
-                np.zeros((0, 16), dtype=np.uint8),
-                etags=dict(self._etags), extra=list(self._extra))
+            return Recorded(have=self._have, digest=self._digest, changed=dict(self._changed),
+                            extra=list(self._extra))
 
     @property
     def entries(self) -> list[Entry]:
@@ -154,9 +155,10 @@ class Incoming:
         rec = self.recorded()
         out = list(rec.extra)
         if self._listing is not None:
-            for k, row in enumerate(rec.rows.tolist()):
-                out.append(Entry(self._listing.path[row], int(rec.size[k]), int(rec.mtime_ns[k]),
-                                 rec.etags.get(row, ""), dg.PREFIX + rec.digest[k].tobytes().hex()))
+            for row in rec.rows.tolist():
+                f = self._listing.row(row)
+                size, mtime, etag = rec.changed.get(row, (f.size, f.mtime_ns, f.etag))
+                out.append(Entry(f.rel, size, mtime, etag, dg.PREFIX + bytes(rec.digest[row].tobytes()).hex()))
         return out
 
     def flush(self) -> None:

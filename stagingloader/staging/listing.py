@@ -11,6 +11,7 @@ appears in its files' paths), folders descended in place.
 from __future__ import annotations
 
 import array
+import itertools
 import os
 import stat
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -18,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 import numpy as np
+import numpy.typing as npt
 
-from ..cache.columns import CHUNK_ROWS, Int64Array, StrBuilder, StrColumn, as_int64, encode, int_column
+from ..cache.columns import CHUNK_ROWS, Int64Array, RowArray, StrBuilder, StrColumn, as_int64, encode, int_column
 from ..errors import SourceError, UnsafePathError
 
 
@@ -38,16 +40,23 @@ class SourceFile:
 class Listing(Sequence[SourceFile]):
     """Files of a source in columns, sorted by path bytes; ``listing[i]`` is a :class:`SourceFile`."""
 
-    __slots__ = ("dev", "etag", "ino", "mtime_ns", "path", "size")
+    __slots__ = ("dev_index", "dev_table", "etag", "ino", "mtime_ns", "path", "size")
 
     def __init__(self, path: StrColumn, size: Int64Array, mtime_ns: Int64Array, etag: StrColumn | None = None,
-                 dev: Int64Array | None = None, ino: Int64Array | None = None) -> None:
+                 dev: Int64Array | tuple[Int64Array, npt.NDArray[np.uint16]] | None = None,
+                 ino: Int64Array | None = None) -> None:
         n = len(path)
         self.path = path
         self.size = size
         self.mtime_ns = mtime_ns
         self.etag = etag if etag is not None else StrColumn.empty(n)
-        self.dev = dev if dev is not None else np.zeros(n, dtype=np.int64)
+        if dev is None:
+            dev = np.zeros(n, dtype=np.int64)
+        if isinstance(dev, tuple):  # a folder's files share a device: a table of devices, an index per file
+            self.dev_table, self.dev_index = dev
+        else:
+            table, index = np.unique(dev, return_inverse=True)
+            self.dev_table, self.dev_index = table.astype(np.int64), index.reshape(-1).astype(np.uint16)
         self.ino = ino if ino is not None else np.zeros(n, dtype=np.int64)
 
     @classmethod
@@ -70,9 +79,14 @@ class Listing(Sequence[SourceFile]):
     def __len__(self) -> int:
         return len(self.path)
 
+    @property
+    def dev(self) -> Int64Array:
+        """Each file's device (made from the table: 8 bytes a file, for callers that want the whole column)."""
+        return self.dev_table[self.dev_index]
+
     def row(self, i: int) -> SourceFile:
-        return SourceFile(self.path[i], int(self.size[i]), int(self.mtime_ns[i]), self.etag[i], int(self.dev[i]),
-                          int(self.ino[i]))
+        return SourceFile(self.path[i], int(self.size[i]), int(self.mtime_ns[i]), self.etag[i],
+                          int(self.dev_table[self.dev_index[i]]), int(self.ino[i]))
 
     @overload
     def __getitem__(self, i: int) -> SourceFile: ...
@@ -90,18 +104,22 @@ class Listing(Sequence[SourceFile]):
     def __iter__(self) -> Iterator[SourceFile]:
         return self.iter_rows(None)
 
-    def iter_rows(self, rows: Int64Array | None, on_row: Callable[[str, int], None] | None = None,
+    def iter_rows(self, rows: RowArray | None, on_row: Callable[[str, int], None] | None = None,
                   ) -> Iterator[SourceFile]:
         """SourceFile objects for ``rows`` (all when None), made a chunk at a time; ``on_row(rel, row)`` sees each."""
         n = len(self) if rows is None else len(rows)
         has_etag = self.etag.any_nonempty()
+        blob = memoryview(self.path.blob)
+        offsets = self.path.offsets
         for start in range(0, n, CHUNK_ROWS):
             part = np.arange(start, min(n, start + CHUNK_ROWS)) if rows is None else rows[start:start + CHUNK_ROWS]
-            rels = (self.path.raw(int(r)).decode("utf-8", "surrogateescape") for r in part)
-            etags = (self.etag[int(r)] for r in part) if has_etag else iter(lambda: "", None)
+            rels = (bytes(blob[a:b]).decode("utf-8", "surrogateescape")
+                    for a, b in zip(offsets[part].tolist(), offsets[part + 1].tolist()))
+            etags: Iterable[str] = (self.etag[r] for r in part.tolist()) if has_etag else itertools.repeat("")
             for r, rel, size, mtime, etag, dev, ino in zip(part.tolist(), rels, self.size[part].tolist(),
                                                            self.mtime_ns[part].tolist(), etags,
-                                                           self.dev[part].tolist(), self.ino[part].tolist()):
+                                                           self.dev_table[self.dev_index[part]].tolist(),
+                                                           self.ino[part].tolist()):
                 if on_row is not None:
                     on_row(rel, r)
                 yield SourceFile(rel, size, mtime, etag, dev, ino)
@@ -109,7 +127,7 @@ class Listing(Sequence[SourceFile]):
     def take(self, rows: Int64Array) -> Listing:
         return Listing(self.path.take(rows), self.size[rows], self.mtime_ns[rows],
                        self.etag.take(rows) if self.etag.any_nonempty() else StrColumn.empty(len(rows)),
-                       self.dev[rows], self.ino[rows])
+                       (self.dev_table, self.dev_index[rows]), self.ino[rows])
 
     def mask(self, keep: np.ndarray) -> Listing:
         return self if bool(keep.all()) else self.take(np.flatnonzero(keep).astype(np.int64))
@@ -124,7 +142,7 @@ class Listing(Sequence[SourceFile]):
             return parts[0]
         return cls(StrColumn.concat([p.path for p in parts]), _cat([p.size for p in parts]),
                    _cat([p.mtime_ns for p in parts]), StrColumn.concat([p.etag for p in parts]),
-                   _cat([p.dev for p in parts]), _cat([p.ino for p in parts]))
+                   _cat_devs(parts), _cat([p.ino for p in parts]))
 
     def by_path(self) -> Mapping[str, SourceFile]:
         """A read-only path -> SourceFile view (binary search; nothing built per file)."""
@@ -136,6 +154,12 @@ class Listing(Sequence[SourceFile]):
 
     def __repr__(self) -> str:
         return f"Listing({len(self)} files, {self.total_bytes} bytes)"
+
+
+def _cat_devs(parts: Sequence[Listing]) -> tuple[Int64Array, npt.NDArray[np.uint16]]:
+    table = np.unique(_cat([p.dev_table for p in parts]))
+    index = [np.searchsorted(table, p.dev_table).astype(np.uint16)[p.dev_index] for p in parts]
+    return table.astype(np.int64), np.concatenate(index) if index else np.zeros(0, dtype=np.uint16)
 
 
 def _cat(arrays: Sequence[Int64Array]) -> Int64Array:
@@ -166,19 +190,31 @@ class ListingBuilder:
         self.paths = StrBuilder()
         self.size = array.array("q")
         self.mtime = array.array("q")
-        self.dev = array.array("q")
+        self.dev = array.array("H")  # an index into devs
+        self.devs: dict[int, int] = {}
         self.ino = array.array("q")
 
     def add(self, rel: bytes, st: os.stat_result) -> None:
         self.paths.add(rel)
         self.size.append(st.st_size)
         self.mtime.append(st.st_mtime_ns)
-        self.dev.append(st.st_dev)
+        self.dev.append(self.dev_of(st.st_dev))
         self.ino.append(st.st_ino)
 
+    def dev_of(self, dev: int) -> int:
+        """The index of a device in this listing's table (at most 65,536 devices in one source)."""
+        i = self.devs.get(dev)
+        if i is None:
+            if len(self.devs) == 1 << 16:
+                raise SourceError("the source spans more than 65,536 file systems; stage its parts one by one")
+            i = self.devs[dev] = len(self.devs)
+        return i
+
     def listing(self) -> Listing:
+        index = np.frombuffer(self.dev, dtype=np.uint16) if len(self.dev) else np.zeros(0, dtype=np.uint16)
+        table = np.array(list(self.devs), dtype=np.int64)
         return Listing(self.paths.column(), int_column(self.size), int_column(self.mtime), None,
-                       int_column(self.dev), int_column(self.ino))
+                       (table, index), int_column(self.ino))
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -245,6 +281,7 @@ def _walk_local(stack: list[Any], bbase: bytes, base: str, skip_top: bytes, out:
     blob, ends = out.paths.blob, out.paths.ends
     add_end, add_size, add_mtime, add_dev, add_ino = (ends.append, out.size.append, out.mtime.append,
                                                        out.dev.append, out.ino.append)
+    devs, dev_of = out.devs, out.dev_of
     is_reg, is_dir = stat.S_ISREG, stat.S_ISDIR
     while stack:
         entries, path, rel_prefix, _fd, ancestors = stack[-1]
@@ -275,7 +312,7 @@ def _walk_local(stack: list[Any], bbase: bytes, base: str, skip_top: bytes, out:
                 add_end(len(blob))
                 add_size(st.st_size)
                 add_mtime(st.st_mtime_ns)
-                add_dev(st.st_dev)
+                add_dev(devs[st.st_dev] if st.st_dev in devs else dev_of(st.st_dev))
                 add_ino(st.st_ino)
                 if b"\\" in name or b"\\" in rel_prefix:
                     _refuse_backslash(rel_prefix + name)
@@ -325,6 +362,7 @@ def _walk_staged(stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], byt
     blob, ends = out.paths.blob, out.paths.ends
     add_end, add_size, add_mtime, add_dev, add_ino = (ends.append, out.size.append, out.mtime.append,
                                                        out.dev.append, out.ino.append)
+    devs, dev_of = out.devs, out.dev_of
     is_reg = stat.S_ISREG
     while stack:
         entries, rel_prefix, fd = stack[-1]
@@ -354,7 +392,7 @@ def _walk_staged(stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], byt
             else:
                 add_size(-1)
                 add_mtime(-1)
-            add_dev(st.st_dev)
+            add_dev(devs[st.st_dev] if st.st_dev in devs else dev_of(st.st_dev))
             add_ino(st.st_ino)
         else:
             os.close(stack.pop()[2])

@@ -405,38 +405,48 @@ def _build_version(run: _Run, plan: CopyPlan, incoming: Incoming, done: dict[str
 
 def _new_manifest(run: _Run, plan: CopyPlan, incoming: Incoming) -> Manifest:
     """The new version's manifest, column by column: the listing's paths; each row's size, mtime, etag and
-    digest from the published version (hard links), the interrupted run (kept) or this run (copied)."""
+    digest from the published version (hard links), the interrupted run (kept) or this run (copied).  The
+    listing's size and mtime arrays and the run's digest array are used as they are where nothing differs."""
     listing = run.listing
     n = len(listing)
-    size, mtime = listing.size.copy(), listing.mtime_ns.copy()
-    digest = np.zeros((n, 16), dtype=np.uint8)
-    have = np.zeros(n, dtype=bool)
-    etags: dict[int, str] = {}
-    base, lrows, brows = plan.base, plan.link_rows, plan.link_base_rows
-    if base is not None and len(lrows):  # rows that fell back to a copy are overwritten below
-        size[lrows], mtime[lrows], digest[lrows] = base.size[brows], base.mtime_ns[brows], base.digest.array[brows]
-        have[lrows] = True
-        if base.etag.any_nonempty():
-            etags.update((r, base.etag[b]) for r, b in zip(lrows.tolist(), brows.tolist()))
     rec = incoming.recorded()
-    extra = [(listing.find(e.path), e) for e in [*plan.keep, *rec.extra]]
-    for row, e in extra:
-        if row >= 0:
-            size[row], mtime[row], digest[row] = e.size, e.mtime_ns, np.frombuffer(digest_raw(e.digest), np.uint8)
+    digest = rec.digest if len(rec.digest) == n else np.zeros((n, 16), dtype=np.uint8)
+    have = rec.have.copy() if len(rec.have) == n else np.zeros(n, dtype=bool)
+    size, mtime = listing.size, listing.mtime_ns
+    changed: dict[int, tuple[int, int, str]] = {}
+    base, lrows, brows = plan.base, plan.link_rows, plan.link_base_rows
+    if base is not None and len(lrows):
+        fresh = ~have[lrows]  # a row that fell back to a copy keeps what the copy recorded
+        lrows, brows = lrows[fresh], brows[fresh]
+        digest[lrows] = base.digest.array[brows]
+        have[lrows] = True
+        differ = (base.size[brows] != size[lrows]) | (base.mtime_ns[brows] != mtime[lrows])
+        if base.etag.any_nonempty() or listing.etag.any_nonempty():
+            differ |= np.fromiter((base.etag.raw(b) != listing.etag.raw(r) for r, b in zip(lrows.tolist(),
+                                                                                             brows.tolist())),
+                                  dtype=bool, count=len(lrows))
+        for r, b in zip(lrows[differ].tolist(), brows[differ].tolist()):  # an object's mtime moved: the base's
+            changed[r] = (int(base.size[b]), int(base.mtime_ns[b]), base.etag[b])
+    for e in [*plan.keep, *rec.extra]:
+        row = listing.find(e.path)
+        if row >= 0 and not (len(rec.have) == n and rec.have[row]):
+            digest[row] = np.frombuffer(digest_raw(e.digest), np.uint8)
             have[row] = True
-            etags[row] = e.etag
-    size[rec.rows], mtime[rec.rows], digest[rec.rows] = rec.size, rec.mtime_ns, rec.digest
-    have[rec.rows] = True
-    etags.update(rec.etags)
+            changed[row] = (e.size, e.mtime_ns, e.etag)
+    changed.update(rec.changed)
     if not bool(have.all()):
         missing = np.flatnonzero(~have)
         raise InternalError(f"{len(missing)} files were not staged, e.g. {listing.path[int(missing[0])]}")
     etag = listing.etag
-    if any(listing.etag[r] != t for r, t in etags.items()):
-        column = list(listing.etag)
-        for r, t in etags.items():
-            column[r] = t
-        etag = StrColumn.from_strs(column)
+    if changed:
+        size, mtime = size.copy(), mtime.copy()
+        for r, (s, m, _t) in changed.items():
+            size[r], mtime[r] = s, m
+        if any(listing.etag[r] != t for r, (_s, _m, t) in changed.items()):
+            column = list(listing.etag)
+            for r, (_s, _m, t) in changed.items():
+                column[r] = t
+            etag = StrColumn.from_strs(column)
     return Manifest(run.source.url, listing.path, size, mtime, etag, DigestColumn(digest), sorted_by_bytes=True)
 
 

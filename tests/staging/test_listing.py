@@ -93,9 +93,10 @@ def test_records_are_filed_by_listing_row(tmp_path: Path) -> None:
     inc.record_many([Entry("stray", 1, 1, "", "xxh3_128:" + "f" * 32)])
     inc.close()
     rec = inc.recorded()
-    assert sorted(rec.rows.tolist()) == list(range(0, 20, 2))
-    for k, row in enumerate(rec.rows.tolist()):
-        assert rec.size[k] == row and rec.digest[k].tobytes() == row.to_bytes(16, "big")
+    assert rec.rows.tolist() == list(range(0, 20, 2)) and not rec.changed
+    for row in range(20):
+        assert rec.digest[row].tobytes() == (row.to_bytes(16, "big") if row % 2 == 0 else bytes(16))
+    assert [e.path for e in inc.entries][1:] == [f"f{i:02d}" for i in range(0, 20, 2)]
     assert [e.path for e in rec.extra] == ["stray"]
     assert inc.row_of("f04") == -1  # recorded: no longer pending
     lines = inc.journal_path.read_text().splitlines()
