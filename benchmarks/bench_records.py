@@ -180,7 +180,8 @@ offsets = np.zeros(n + 1, dtype=np.int64); np.cumsum(lens, out=offsets[1:])
 paths = StrColumn(blob, offsets)
 size = (60_000 + (np.arange(n, dtype=np.int64) * 7919) % 140_000)
 mtime = 1_700_000_000_000_000_000 + np.arange(n, dtype=np.int64) * 1_000_003
-listing = Listing(paths, size, mtime, None, (np.array([64]), np.zeros(n, dtype=np.uint16)), np.arange(n, dtype=np.int64))
+devs = (np.array([64]), np.zeros(n, dtype=np.uint16))  # one device, as a local tree has
+listing = Listing(paths, size, mtime, None, devs, np.arange(n, dtype=np.int64))
 t["listing_s"] = time.perf_counter() - t0; t["rss_listing_mib"] = rss()
 t0 = time.perf_counter(); plan = make_plan(listing, None); t["plan_s"] = time.perf_counter() - t0
 t["rss_plan_mib"] = rss()

@@ -94,5 +94,5 @@ def test_a_damaged_version_2_manifest_is_refused(tmp_path: Path, damage: str) ->
     else:
         raw[: raw.index(b"\n")] = raw[: raw.index(b"\n")].replace(b'"complete":true', b'"complete":false')
     (tmp_path / "m.json").write_bytes(bytes(raw))
-    with pytest.raises(ManifestError, match="truncated or corrupt|incomplete"):
+    with pytest.raises(ManifestError, match=r"truncated or corrupt|incomplete"):
         Manifest.load(tmp_path / "m.json")
