@@ -220,22 +220,81 @@ class ListingBuilder:
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
-def _sorted_entries(fd: int, only: Collection[bytes] | None = None, *, follow: bool = True,
-                    ) -> list[tuple[bytes, os.DirEntry[str]]]:
+Item = Any  #: a walk item: one ``(name, entry)``, or a list of them (plain files next to each other)
+
+
+def _sorted_entries(fd: int, only: Collection[bytes] | None = None, *, follow: bool = True) -> list[Item]:
     """A folder's entries (by its descriptor: each ``stat`` is then an ``fstatat`` of a name, no path walk) with
-    their names as bytes, in the order their paths sort: a folder as ``name/``."""
-    entries = [(os.fsencode(e.name), e) for e in os.scandir(fd)]  # read to the end: the iterator closes itself
+    their names as bytes, in the order their paths sort (a folder as ``name/``), and the plain files between
+    two folders (no link, by the entry's type) grouped in lists: they are listed in one go."""
+    found = list(os.scandir(fd))  # read to the end: the iterator closes itself
+    named = [(e.name.encode("utf-8", "surrogateescape"), e) for e in found]  # os.fsencode, without a call each
     if only is not None:
-        entries = [t for t in entries if t[0] in only]
-    entries.sort(key=lambda t: t[0] + b"/" if _is_dir(t[1], follow) else t[0])
-    return entries
+        named = [t for t in named if t[0] in only]
+    try:
+        rows = [(n + b"/" if e.is_dir(follow_symlinks=follow) else n, n, e) for n, e in named]
+    except OSError:  # a link that loops: not a folder here; the walk's stat names it
+        rows = [(n + b"/" if _is_dir(e, follow) else n, n, e) for n, e in named]
+    rows.sort(key=lambda r: r[0])
+    if not any([key[-1] == 47 or e.is_symlink() for key, _n, e in rows]):  # a folder of plain files only
+        return [[(n, e) for _k, n, e in rows]] if rows else []
+    items: list[Item] = []
+    run: list[tuple[bytes, os.DirEntry[str]]] = []
+    for key, name, entry in rows:
+        if key[-1] == 47 or entry.is_symlink():  # b"/": a folder
+            if run:
+                items.append(run)
+                run = []
+            items.append((name, entry))
+        else:
+            run.append((name, entry))
+    if run:
+        items.append(run)
+    return items
 
 
 def _is_dir(entry: os.DirEntry[str], follow: bool) -> bool:
     try:
         return entry.is_dir(follow_symlinks=follow)
-    except OSError:  # a link that loops: not a folder here; the walk's stat names it
+    except OSError:
         return False
+
+
+def _stat_run(run: list[tuple[bytes, os.DirEntry[str]]]) -> list[os.stat_result] | None:
+    """``stat`` of a run of plain files, or None if one of them failed (the walk then takes them one by one)."""
+    try:
+        return [e.stat(follow_symlinks=False) for _, e in run]
+    except OSError:
+        return None
+
+
+def _add_run(out: ListingBuilder, rel_prefix: bytes, run: list[tuple[bytes, os.DirEntry[str]]],
+             sts: list[os.stat_result], *, keep_special: bool) -> bytes:
+    """Append a run of files to the columns in one go; return the bytes of their paths.  Anything but a regular
+    file is left out, or with ``keep_special`` listed with size and mtime -1."""
+    is_reg = stat.S_ISREG
+    if not all(map(is_reg, [st.st_mode for st in sts])):
+        if keep_special:
+            sts = list(sts)
+        else:
+            pairs = [(r, st) for r, st in zip(run, sts, strict=True) if is_reg(st.st_mode)]
+            run, sts = [p[0] for p in pairs], [p[1] for p in pairs]
+    names = [rel_prefix + n for n, _ in run]
+    joined = b"".join(names)
+    ends = itertools.accumulate(map(len, names), initial=len(out.paths.blob))
+    next(ends)
+    out.paths.blob += joined
+    out.paths.ends.extend(ends)
+    devs, dev_of = out.devs, out.dev_of
+    if keep_special:
+        out.size.extend([st.st_size if is_reg(st.st_mode) else -1 for st in sts])
+        out.mtime.extend([st.st_mtime_ns if is_reg(st.st_mode) else -1 for st in sts])
+    else:
+        out.size.extend([st.st_size for st in sts])
+        out.mtime.extend([st.st_mtime_ns for st in sts])
+    out.dev.extend([devs[st.st_dev] if st.st_dev in devs else dev_of(st.st_dev) for st in sts])
+    out.ino.extend([st.st_ino for st in sts])
+    return joined
 
 
 def scan_local(top: str, base: str, prefix: str, out: ListingBuilder, *, skip_top: bytes = b"",
@@ -285,7 +344,19 @@ def _walk_local(stack: list[Any], bbase: bytes, base: str, skip_top: bytes, out:
     is_reg, is_dir = stat.S_ISREG, stat.S_ISDIR
     while stack:
         entries, path, rel_prefix, _fd, ancestors = stack[-1]
-        for name, entry in entries:
+        for item in entries:
+            if isinstance(item, list):
+                if skip_top and len(stack) == 1:
+                    item = [t for t in item if t[0] != skip_top]
+                sts = _stat_run(item)
+                if sts is None:  # one of them failed: one by one, each error said as it always was
+                    stack[-1] = (itertools.chain(item, entries), *stack[-1][1:])
+                    break
+                if b"\\" in _add_run(out, rel_prefix, item, sts, keep_special=False):
+                    bad = next(n for n, _ in item if b"\\" in rel_prefix + n)
+                    _refuse_backslash(rel_prefix + bad)
+                continue
+            name, entry = item
             if skip_top and name == skip_top and len(stack) == 1:
                 continue
             try:
@@ -366,7 +437,15 @@ def _walk_staged(stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], byt
     is_reg = stat.S_ISREG
     while stack:
         entries, rel_prefix, fd = stack[-1]
-        for name, entry in entries:
+        for item in entries:
+            if isinstance(item, list):
+                sts = _stat_run(item)
+                if sts is None:  # one was removed meanwhile: one by one
+                    stack[-1] = (itertools.chain(item, entries), rel_prefix, fd)
+                    break
+                _add_run(out, rel_prefix, item, sts, keep_special=True)
+                continue
+            name, entry = item
             if entry.is_dir(follow_symlinks=False):
                 try:
                     child = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
