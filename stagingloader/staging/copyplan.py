@@ -147,6 +147,10 @@ def unchanged(listing: Listing, base: Manifest) -> bool:
     comparison), the same fingerprints, and nothing else."""
     if len(listing) != len(base) or not listing.path.same_as(base.path):
         return False
+    if not np.array_equal(listing.size, base.size):
+        return False
+    if not (listing.etag.any_nonempty() or base.etag.any_nonempty()):  # whole columns: no temporary per row
+        return bool(np.array_equal(listing.mtime_ns, base.mtime_ns))
     every = np.arange(len(listing), dtype=np.int64)
     return bool(same_source_rows(listing, every, base, every).all())
 

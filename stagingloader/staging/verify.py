@@ -27,6 +27,10 @@ def check_fast(data: Path, manifest: Manifest) -> dict[str, str]:
     One sorted scan of the staged tree (``os.scandir``, never through a link) compared with the manifest's
     columns: row to row when the same paths are there, which is the common case, else joined by path."""
     found = scan_staged_tree(data)
+    if found.path.same_as(manifest.path):  # every file there, nothing else: whole columns compared
+        mtime = manifest.mtime_ns
+        wrong = (found.size != manifest.size) | ((mtime != 0) & (found.mtime_ns != mtime))
+        return {manifest.path[i]: CORRUPT for i in np.flatnonzero(wrong).tolist()}
     rows = join(manifest.path, found.path)
     present = rows >= 0
     r = rows[present]
