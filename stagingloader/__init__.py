@@ -29,6 +29,8 @@ from .errors import (
     SourceChangedError,
     SourceError,
     SourceNotFoundError,
+    StagerFailedError,
+    StageTimeoutError,
     StagingError,
     UnsafePathError,
     UsageError,
@@ -81,6 +83,8 @@ def stage(
     on_event: Callable[[str], None] | None = None,
     distributed: bool = False,
     options: StageOptions | None = None,
+    wait: bool = True,
+    cache_limit: int | str | None = None,
 ) -> StagedDataset: ...
 
 
@@ -105,6 +109,8 @@ def stage(
     on_event: Callable[[str], None] | None = None,
     distributed: bool = False,
     options: StageOptions | None = None,
+    wait: bool = True,
+    cache_limit: int | str | None = None,
 ) -> StagePlan: ...
 
 
@@ -128,6 +134,8 @@ def stage(
     on_event: Callable[[str], None] | None = None,
     distributed: bool = False,
     options: StageOptions | None = None,
+    wait: bool = True,
+    cache_limit: int | str | None = None,
 ) -> StagedDataset | StagePlan:
     """Stage ``src`` (any fsspec URL) onto node-local storage; block until staged and verified.
 
@@ -138,6 +146,14 @@ def stage(
     fsspec-style progress callback (``set_size``/``relative_update``, in bytes).  With
     ``distributed=True`` (torchrun or srun), one process per node stages and the others wait;
     all return the same dataset (see :mod:`stagingloader.distributed`).
+
+    With ``wait=False`` it returns as soon as the source is listed and the copy has started (in a stager process
+    of its own, which copies in the order the loader reads): a streaming dataset that ``StagedFiles(ds)`` reads
+    while it stages; ``ds.wait()`` blocks until it is published, ``ds.progress`` says how far it is, and
+    ``ds.release()`` stops the stager (the next stage resumes it).  Every rank may call it: the first streams,
+    the others read along.  ``cache_limit`` (bytes, or a size such as ``"16G"``) keeps at most that much on the
+    tier, evicting the file the readers need furthest in the future; a dataset larger than the tier streams under
+    what the tier holds.  Such a run never publishes a complete version.
     """
     from .staging.stager import run_stage
 
@@ -161,6 +177,17 @@ def stage(
                              f"(got options= and {', '.join(given)})")
         opts = options
     env = dict(os.environ)
+    if cache_limit is not None and wait:
+        raise UsageError("cache_limit needs wait=False: a dataset kept under a limit is only ever streamed")
+    if not wait and not opts.dry_run:
+        from .staging.streaming import stage_streaming
+        from .units import parse_bytes
+
+        try:
+            limit = parse_bytes(cache_limit) if isinstance(cache_limit, str) else cache_limit
+        except ValueError as e:
+            raise UsageError(f"cache_limit: {e}") from None
+        return stage_streaming(src, opts, cache_limit=limit, holder_pid=os.getpid(), on_event=on_event)
     if distributed:
         from .staging.distributed import run_once_per_node
 
@@ -207,9 +234,11 @@ __all__ = [
     "StageOptions",
     "StagePlan",
     "StageReport",
+    "StageTimeoutError",
     "StagedArrays",
     "StagedDataset",
     "StagedFiles",
+    "StagerFailedError",
     "StagingError",
     "UnsafePathError",
     "UsageError",

@@ -113,6 +113,17 @@ class DatasetNotFoundError(StagingError, LookupError):
     exit_code = ExitCode.USAGE
 
 
+class StagerFailedError(StagingError, RuntimeError):
+    """A streaming stage failed, or its stager is gone before it finished: readers stop waiting on it; staging
+    again resumes it."""
+
+
+class StageTimeoutError(StagingError, TimeoutError):
+    """``StagedDataset.wait(timeout=...)`` ran out of time before the streaming stage was published."""
+
+    exit_code = ExitCode.LOCK_TIMEOUT
+
+
 class InternalError(StagingError, RuntimeError):
     """A check of stagingloader's own consistency failed: a bug, to report with the message."""
 

@@ -18,9 +18,9 @@ def test_exported_names_are_pinned() -> None:
         "DataLoader", "DatasetNotFoundError", "DrainError", "ExitCode", "InternalError", "LoaderStats",
         "LockTimeoutError", "Manifest", "ManifestError", "MissingDependencyError", "NoSpaceError", "RootError",
         "SourceAccessError", "SourceChangedError", "SourceError", "SourceNotFoundError", "StageOptions",
-        "StagePlan", "StageReport", "StagedArrays", "StagedDataset", "StagedFiles", "StagingError",
-        "UnsafePathError", "UsageError", "VerificationError", "VerifyReport", "__version__", "diagnose",
-        "stage", "verify", "write_manifest",
+        "StagePlan", "StageReport", "StageTimeoutError", "StagedArrays", "StagedDataset", "StagedFiles",
+        "StagerFailedError", "StagingError", "UnsafePathError", "UsageError", "VerificationError", "VerifyReport",
+        "__version__", "diagnose", "stage", "verify", "write_manifest",
     ]
     for name in sl.__all__:
         assert hasattr(sl, name)

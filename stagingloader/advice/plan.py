@@ -16,6 +16,7 @@ import numpy as np
 
 from ..cache.tiers import GDS_FS, meminfo, mount_of
 from ..units import human_bytes
+from .streaming import advise
 
 RESERVE = 0.9  #: plan to use at most 90 % of what a tier measured
 
@@ -63,6 +64,7 @@ class Advice:
     command: str = ""
     checkpoint: list[dict[str, Any]] = field(default_factory=list)
     verdict: str = ""
+    streaming: dict[str, Any] = field(default_factory=dict)  #: stream, stage ahead or a cache limit (advice/streaming)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,6 +126,12 @@ def assess(f: Facts) -> Advice:
         plan.recommendation = "no local tier fits: read from the source, or shard across nodes"
         plan.reasons.append(f"{human_bytes(f.total_bytes)} fits no local tier; "
                             "use `stagingloader stage SRC --shard node` so each node holds its part")
+    stream = advise(source=f.source, source_gbps=f.source_gbps * RESERVE, need_gbps=need, dataset_bytes=f.total_bytes,
+                    epochs=f.epochs, tiers=[(r["tier"], int(r["room_bytes"])) for r in plan.tiers])
+    if stream is not None:
+        plan.streaming = stream.to_dict()
+        if stream.choice == "cache-limit" and not fitting:
+            plan.reasons.append(f"or stream it under a cache limit: {stream.command}")
     if f.checkpoint_params:
         size = f.checkpoint_params * f.bytes_per_param
         for t in f.tiers:

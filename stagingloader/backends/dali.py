@@ -7,6 +7,13 @@ directory walk, no extension filter.  The order is torch's (:mod:`.order`): each
 reader gets that epoch's files in order, so the DALI path yields the same samples in the same
 order as ``torch.utils.data.DataLoader`` for the same seed, sharded or not.
 
+Over a stage that still streams, DALI's readers cannot wait for a file: they take the epoch's whole
+file list when the pipeline is built and read ahead on their own threads.  So the first epoch waits
+until the stage is published (every file whole and verified; the wait is counted as "not staged
+yet"), then reads the published version; ``backend="auto"`` never picks DALI, and the torch path
+trains while it stages.  Under a cache limit the stage is never published: DALI refuses, naming
+``backend="torch"``.
+
 ``process=`` runs inside the pipeline on the reader's output, e.g. image decoding on the GPU::
 
     from nvidia.dali import fn
@@ -72,6 +79,7 @@ class DALILoader(IndexedLoader):
         if callable(dataset.decode) or dataset.transform is not None:
             raise UsageError("backend='dali' decodes inside the pipeline: give StagedFiles no decode function or "
                              "transform, and pass DALI operators as process= instead")
+        _refuse_cache_limit(dataset)
         super().__init__(dataset, *args, **kwargs)
         self._npy = dataset.decode == "npy"
         sizes = self.table.sizes
@@ -89,6 +97,9 @@ class DALILoader(IndexedLoader):
             where = "GPUDirect Storage: the GPU numpy reader reads through cuFile into GPU memory"
         else:
             where = f"{why}: DALI copies batches to {self.device} from pinned host memory"
+        if dataset.streaming:
+            where += ("; the stage is still streaming: the first epoch waits until it is published (DALI's readers "
+                      "take the epoch's files at once; backend='torch' trains while it stages)")
         self._note(f"DALI {dali.__version__}, {reader} over {len(dataset)} files; {where}")
         self._pipe: Any = None
         self._it: Any = None
@@ -146,6 +157,7 @@ class DALILoader(IndexedLoader):
         if not batches:
             return
         order = np.concatenate(batches)
+        self._await_stage()
         if not self._reusable or self._pipe_order is None or not np.array_equal(order, self._pipe_order):
             self._release()
             self._pipe = self._build(order, self._seed())
@@ -168,6 +180,17 @@ class DALILoader(IndexedLoader):
             raise RuntimeError(f"DALI yielded {k} batches for an epoch of {len(batches)}")
         self._reusable = True
 
+    def _await_stage(self) -> None:
+        """A streaming stage: wait until it is published, then read the version (its file table, refreshed)."""
+        if self._stream is None or not self.dataset.streaming:
+            return
+        before = self._waits()
+        self._stream.wait_published()
+        self.dataset.refresh()
+        self.table = self.dataset.file_table()
+        self._release()
+        self._count_waits(before)
+
     def _assemble(self, out: dict[str, Any], idx: np.ndarray) -> Any:
         datas = [out[f"out{k}"] for k in range(len(out))]
         data = datas[0] if len(datas) == 1 else tuple(datas)
@@ -186,7 +209,22 @@ class DALILoader(IndexedLoader):
         self._pipe_order = None
 
     def close(self) -> None:
+        self._close_order()
         self._release()
+
+
+def _refuse_cache_limit(dataset: Any) -> None:
+    """DALI waits for a streaming stage to be published, which a stage under a cache limit never is."""
+    reader = getattr(dataset, "stream", None)
+    if reader is None:
+        return
+    from ..staging import stream
+
+    state = stream.find_state(reader.ddir, reader.version)
+    if state is not None and state.cache_limit:
+        raise UsageError(f"backend='dali' cannot read {reader.name} while it streams under a cache limit: DALI's "
+                         "readers take an epoch's files at once, and such a stage is never complete; use "
+                         "backend='torch' (its workers wait for each file as it arrives)")
 
 
 def _files_of(staged: Any, labels: bool) -> Any:

@@ -6,6 +6,11 @@ GPU tensor; every sample is one cuFile read at its offset in its file (past the 
 header), issued through kvikio (parallel, straight into the batch) or, without kvikio, through
 PyTorch's own ``torch.cuda.gds.GdsFile``.  The next batch is read on a background thread while
 the current one trains.  cuFile cannot read tmpfs; :mod:`.select` says where it can work.
+
+Over a stage that still streams (asked for by name: ``backend="auto"`` takes torch's path then), each batch's
+files are waited for
+through the dataset's file table (``FileTable.ready``: whole and verified, the stager asked first)
+before cuFile opens them, and the wait is counted as "not staged yet".
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class _Layout:
 
     def where(self, i: int) -> tuple[str, int]:
         path, offset, _length = self.table.where(i)
+        if self.table.ready is not None:  # the stage streams: the file once it is whole (waits, asking first)
+            path = self.table.ready(int(self.table.file[i]))
         if not self._checked[i]:  # every .npy of the batch must carry the first one's header
             with open(path, "rb") as fh:
                 if fh.read(len(self._header)) != self._header:
@@ -138,7 +145,15 @@ class GdsLoader(IndexedLoader):
             out = torch.empty((len(idx), *lay.shape), dtype=torch.from_numpy(np.empty(0, lay.dtype)).dtype,
                               device=self.device)
             rows = out.view(torch.uint8).reshape(len(idx), lay.nbytes)
-            self._reader.read_batch(rows, [lay.where(int(i)) for i in idx])
+            before = self._waits()
+            try:
+                self._reader.read_batch(rows, [lay.where(int(i)) for i in idx])
+            except FileNotFoundError:
+                if lay.table.ready is None:
+                    raise
+                # published (incoming renamed) or evicted between the wait and cuFile's open: ask again
+                self._reader.read_batch(rows, [lay.where(int(i)) for i in idx])
+            self._count_waits(before)
             labels = self._labels(idx)
             torch.cuda.current_stream(self.device).synchronize()
         return out if labels is None else [out, labels]
@@ -157,6 +172,7 @@ class GdsLoader(IndexedLoader):
                 yield current.result()
 
     def close(self) -> None:
+        self._close_order()
         with self._lock:
             if self._reader is not None:
                 self._reader.close()

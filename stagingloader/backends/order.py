@@ -25,6 +25,7 @@ from ..errors import UsageError
 from ..loader.dataloader import STATE_KEY, DataLoader, resolve_device
 from ..loader.epoch import StateEncoder, node_sampler, pass_epoch
 from ..loader.filetable import FileTable
+from ..loader.orders import OrderPublisher
 from ..loader.stats import GpuSampler, LoaderStats, batch_len, batch_nbytes
 
 log = logging.getLogger("stagingloader.loader")
@@ -116,6 +117,9 @@ class IndexedLoader(abc.ABC):
                                                   generator=generator, collate_fn=_as_array, backend="torch",
                                                   stats=False, readahead=0)
         self._order.stats.quiet = True
+        if OrderPublisher.wanted(dataset):  # the stager learns this loader's order, as from the torch path
+            self._order.orders = OrderPublisher(dataset)
+        self._stream = getattr(dataset, "stream", None)  # while the stage streams: where waits are counted
         self.sampler = self._order.sampler
         self.batch_sampler = self._order.batch_sampler
         self.device = resolve_device(device)
@@ -131,6 +135,16 @@ class IndexedLoader(abc.ABC):
     @abc.abstractmethod
     def _read(self, batches: Iterable[np.ndarray]) -> Iterator[Any]:
         """Yield the batches for these batches of indices, in order."""
+
+    def _count_waits(self, before: tuple[float, int]) -> None:
+        """Add the waits for files not staged yet since ``before`` (:meth:`_waits`) to this epoch's stats."""
+        now = self._waits()
+        if now[0] > before[0]:
+            self.stats.add_not_staged(now[0] - before[0], now[1] - before[1])
+
+    def _waits(self) -> tuple[float, int]:
+        s = self._stream
+        return (s.waited_s, s.misses) if s is not None else (0.0, 0)
 
     def _labels(self, idx: np.ndarray) -> torch.Tensor | None:
         """The labels of these samples as a tensor on the loader's device, or None without labels."""
@@ -171,6 +185,10 @@ class IndexedLoader(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release what the backend holds (pipelines, file handles)."""
+
+    def _close_order(self) -> None:
+        if self._order.orders is not None:
+            self._order.orders.close()
 
     def __enter__(self) -> IndexedLoader:
         return self

@@ -8,6 +8,10 @@
 * ``"dali"``: a DALI pipeline (:mod:`.dali`); asked for by name, never chosen silently.
 * ``"auto"`` (the default): GDS where it can work, else torch's path, with the reason recorded
   in ``loader.stats.path_note`` and the log ("tmpfs: GDS not possible, using pinned async copies").
+  While the dataset's stage still streams (``stage(..., wait=False)``), ``auto`` takes torch's path:
+  its workers wait for each file as it arrives and read the rest meanwhile, while the source, not the
+  read path, sets the pace; a loader made after the stage completes gets GDS where it can work.
+  ``backend="gds"`` asked for by name reads the streaming copy too, waiting for each batch's files.
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ def gds_eligible(dataset: Any) -> str:
 def gds_blocker(dataset: Any, device: torch.device | None, need_cufile: bool = True) -> str:
     """Why GPUDirect Storage cannot feed this dataset to this device, or "" if it can."""
     from ..cache.tiers import mount_of
-    from ..loader.datasets import root_of
+    from ..loader.listing import root_of
 
     if device is None or device.type != "cuda":
         return "GDS reads into GPU memory and no CUDA device was asked for (device='cuda')"
@@ -120,6 +124,10 @@ def choose(requested: str, dataset: Any, device: str | torch.device | None, *,
         return Choice("gds", f"GPUDirect Storage via {require_gds(dataset, dev)}")
     if torch_only:
         return Choice("torch", _torch_note(dev, f"{', '.join(torch_only)} given: only this path honours it"))
+    if getattr(dataset, "streaming", False) and dev is not None and dev.type == "cuda":
+        return Choice("torch", _torch_note(dev, "the dataset is still staging (streaming): torch's workers read each "
+                                                "file as it arrives, and the source sets the pace; GDS is chosen "
+                                                "for a loader made once the stage is complete"))
     blocker = gds_blocker(dataset, dev)
     if not blocker:
         return Choice("gds", f"GPUDirect Storage via {cufile()[0]}")

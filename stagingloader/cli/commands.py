@@ -6,6 +6,7 @@ import argparse
 import os
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from ..cache import housekeeping, leases
@@ -35,6 +36,10 @@ def cmd_stage(args: argparse.Namespace) -> Result:
                         exclude=tuple(args.exclude), fsync=args.fsync, max_ram_fraction=args.max_ram_fraction,
                         lock_timeout=args.lock_timeout, dry_run=args.dry_run, shard=_shard(args.shard, env),
                         lease=args.lease or leases.default_lease_name(env), storage_options=args.storage_options)
+    if getattr(args, "cache_limit", None) is not None and not args.no_wait:
+        raise UsageError("--cache-limit needs --no-wait: a dataset kept under a limit is only ever streamed")
+    if getattr(args, "no_wait", False) and not args.dry_run:
+        return _stage_no_wait(args, opts)
     progress = make_progress(args.quiet or args.json)
     try:
         # outside Slurm and without --lease, the lease lives as long as our caller (the job script), not us
@@ -45,6 +50,29 @@ def cmd_stage(args: argparse.Namespace) -> Result:
     if isinstance(result, StagePlan):
         return _print_plan(args, result)
     return ExitCode.OK, _print_staged(args, result)
+
+
+def _stage_no_wait(args: argparse.Namespace, opts: StageOptions) -> Result:
+    from ..staging.streaming import stage_streaming
+
+    say = (lambda text: None) if args.quiet or args.json else (lambda text: print(text, flush=True))
+    # the stager lives on after we return; its lease is our caller's (the job script), a named or a Slurm job's
+    ds = stage_streaming(args.src, opts, cache_limit=args.cache_limit, holder_pid=os.getppid(), on_event=say)
+    out: dict[str, Any] = {"ok": True, "streaming": ds.streaming, "source": ds.source,
+                           "dataset_dir": str(ds.dataset_dir), "root": str(ds.root), "version": ds.version,
+                           "lease": ds.lease, "files": len(ds.files), "bytes": ds.total_bytes}
+    if ds.stream is not None:
+        out.update(stream_dir=str(ds.stream.stream_dir), cache_limit=ds.stream.cache_limit,
+                   pid=ds.stream.proc.pid if ds.stream.proc is not None else None)
+        limit = ds.stream.cache_limit
+        how = (f"under a cache limit of {human_bytes(limit)}: never published complete" if limit is not None
+               else f"{ds.version} is published when complete (stagingloader ls; sl.stage(SRC, wait=False).wait())")
+        _out(args, f"streaming {ds.source}: {len(ds.files)} files, {human_bytes(ds.total_bytes)}, {how}\n"
+                   f"  lease: {ds.lease}\n{ds.dataset_dir}")
+    else:
+        _out(args, f"already staged and verified: {ds.source}, version {ds.version}\n  lease: {ds.lease}\n"
+                   f"{ds.dataset_dir}")
+    return ExitCode.OK, out
 
 
 def _shard(shard: tuple[int, int] | str | None, env: dict[str, str]) -> tuple[int, int] | None:
@@ -119,6 +147,7 @@ def cmd_verify(args: argparse.Namespace) -> Result:
 
 def cmd_ls(args: argparse.Namespace) -> Result:
     infos = housekeeping.list_datasets(args.root, dict(os.environ))
+    streams = {i.path: _stream_state(Path(i.path)) for i in infos}
     if not args.json:
         if not infos:
             print("nothing staged (looked in: "
@@ -128,9 +157,26 @@ def cmd_ls(args: argparse.Namespace) -> Result:
             held = ", ".join(f"{d['name']}@{d['version']} ({d['holder']})" for d in i.lease_details) or "none"
             state = i.state if i.version is None or not i.incoming_bytes else \
                 f"{i.state} (+{human_bytes(i.incoming_bytes)} in incoming/)"
+            if streams[i.path]:
+                state = f"{state}, {streams[i.path]}"
             print(f"{state:<10} {i.version or '-':<4} {human_bytes(i.bytes + i.incoming_bytes):>10} {i.files:>8} "
                   f"files  used {used}  leases: {held}\n           {i.source}\n           {i.path}")
-    return ExitCode.OK, {"datasets": [i.to_dict() for i in infos]}
+    return ExitCode.OK, {"datasets": [{**i.to_dict(), "streaming": streams[i.path] or None} for i in infos]}
+
+
+def _stream_state(ddir: Path) -> str:
+    """A streaming run's state, in words, for ``ls`` ('' if none streams there)."""
+    from ..staging.stream import COPYING, read_state, stream_dir
+
+    s = read_state(stream_dir(ddir))
+    if s is None or s.state != COPYING:
+        return ""
+    done = f"{s.files_done}/{s.files_total} files, {human_bytes(s.bytes_done)}/{human_bytes(s.bytes_total)}"
+    limit = (f", cache limit {human_bytes(s.cache_limit)} ({s.evicted_files} evicted): never published complete"
+             if s.cache_limit is not None else "")
+    if not s.alive:
+        return f"streaming stopped at {done}{limit}; `stagingloader stage SRC` resumes"
+    return f"streaming {done} (stager pid {s.pid}, publishes {s.version} when complete){limit}"
 
 
 def cmd_gc(args: argparse.Namespace) -> Result:
@@ -255,6 +301,9 @@ def cmd_plan(args: argparse.Namespace) -> Result:
             print(f"  - {r}")
         if plan.command:
             print(f"run: {plan.command}")
+        if plan.streaming:
+            print(f"\nstreaming ({plan.streaming['choice']}): {plan.streaming['message']}")
+            print(f"run: {plan.streaming['command']}")
     return ExitCode.OK, {"ok": True, "facts": {**facts.__dict__, "tiers": [t.__dict__ for t in facts.tiers]},
                          **plan.to_dict(), "notes": notes}
 
@@ -273,11 +322,12 @@ def cmd_stats(args: argparse.Namespace) -> Result:
         raise UsageError(f"{args.file} is not a stagingloader stats file (written by loader.stats.save())")
     if not args.json:
         print(f"{'epoch':>5} {'batches':>8} {'samples/s':>10} {'MB/s':>8} {'stall':>7} {'p50 ms':>8} {'p99 ms':>8} "
-              f"{'first s':>8} {'read s':>7} {'decode s':>8} {'collate s':>9}")
+              f"{'first s':>8} {'read s':>7} {'decode s':>8} {'collate s':>9} {'not staged s':>12}")
         for e in [*doc["epochs"], {**doc["total"], "epoch": "all"}]:
             print(f"{e['epoch']!s:>5} {e['batches']:>8} {e['samples_per_s']:>10.0f} {e['bytes_per_s'] / 1e6:>8.1f} "
                   f"{100 * e['stall_fraction']:>6.1f}% {1e3 * e['wait_p50_s']:>8.2f} {1e3 * e['wait_p99_s']:>8.2f} "
-                  f"{e['first_batch_s']:>8.2f} {e['read_s']:>7.2f} {e['decode_s']:>8.2f} {e['collate_s']:>9.2f}")
+                  f"{e['first_batch_s']:>8.2f} {e['read_s']:>7.2f} {e['decode_s']:>8.2f} {e['collate_s']:>9.2f} "
+                  f"{e.get('not_staged_s', 0.0):>12.2f}")  # waited for files a streaming stage had not staged yet
         if doc.get("path"):
             print(f"path: {doc['path']}")
     if args.plot:

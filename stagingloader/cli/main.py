@@ -165,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                "  stagingloader stage /nfs/datasets/imagenet/train --root /dev/shm\n"
                "  stagingloader stage s3://bucket/shards/ --endpoint-url http://minio:9000 --workers 64\n"
                "  stagingloader stage '/lustre/proj/data/*.npy' --dry-run\n"
-               "  DATA=$(stagingloader stage SRC --json | jq -r .root)\n\n" + EPILOG,
+               "  DATA=$(stagingloader stage SRC --json | jq -r .root)\n"
+               "  stagingloader stage /nfs/datasets/imagenet/train --no-wait     # train while it stages\n"
+               "  stagingloader stage s3://bucket/huge/ --no-wait --cache-limit 200G\n\n" + EPILOG,
     )
     s.add_argument("src", metavar="SRC", help="source: a path, s3://bucket/prefix, gs://..., https://..., or a glob")
     s.add_argument("--workers", type=_positive_int, metavar="N",
@@ -189,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lease", metavar="NAME",
                    help="a named lease, held until `stagingloader release` (default: slurm-job-$SLURM_JOB_ID in a "
                         "Slurm job, else a lease that lives as long as the shell or script that ran this command)")
+    s.add_argument("--no-wait", action="store_true",
+                   help="return once the source is listed and print the dataset's folder; a detached stager copies "
+                        "on in the order the training loop reads (StagedFiles and sl.stage(SRC, wait=False) read "
+                        "it while it stages), publishes the version when complete, and stops when the lease ends")
+    s.add_argument("--cache-limit", type=_size, metavar="SIZE",
+                   help="with --no-wait: keep at most SIZE on the tier, evicting the file needed furthest in the "
+                        "future (default: what the tier holds, for a dataset larger than it); such a run never "
+                        "publishes a complete version")
 
     v = sub.add_parser("verify", parents=[common, src_opts, root_opt],
                        help="re-hash a staged copy against its manifest; exit 1 if any file is bad",

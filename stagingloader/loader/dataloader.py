@@ -37,6 +37,7 @@ from .context import LoaderContext, WorkerInit
 from .epoch import BatchSampler, RandomSampler, ReadAhead, StateEncoder, check_workers, decode_state, node_sampler
 from .epoch import pass_epoch as pass_epoch
 from .iterator import LoaderIter, note_oom
+from .orders import OrderPublisher
 from .slots import SlotPool
 from .stats import GpuSampler, LoaderStats, WorkerClock
 
@@ -193,6 +194,8 @@ class DataLoader(StatefulDataLoader[T_co]):
             self.batch_sampler.readahead = ReadAhead(self._hinter.submit, self.readahead)
         self._live: weakref.ref[LoaderIter] | None = None
         self._encoder = StateEncoder()
+        #: over a stage that still streams: tells the stager this rank's order at each epoch start
+        self.orders: OrderPublisher | None = OrderPublisher(dataset) if OrderPublisher.wanted(dataset) else None
 
     def _delegate(self, backend: str, dataset: Any, *args: Any, **kwargs: Any) -> None:
         """Build the backend's loader and take its attributes, so this object answers as it does."""
@@ -262,9 +265,24 @@ class DataLoader(StatefulDataLoader[T_co]):
         finally:
             if token is not None:
                 restore(token)
+        if self.orders is not None:
+            self._publish_order(inner)
         it = LoaderIter(self, inner, self._main_ctx)
         self._live = weakref.ref(it)
         return it
+
+    def _publish_order(self, inner: Any) -> None:
+        """Tell the streaming stager this epoch's remaining reads and the next epoch's (a hint: never fatal)."""
+        assert self.orders is not None
+        # between two epochs' orders torch draws one value from the generator (the workers' seed), except
+        # with persistent workers the user asked for (stagingloader's own choice draws it as torch would)
+        between = 0 if self.persistent_workers and not self._auto_persistent and self.num_workers > 0 else 1
+        try:
+            self.orders.publish(getattr(inner, "_sampler_iter", None), between=between,
+                                batch_sampler=self.batch_sampler)
+        except Exception:
+            log.warning("could not tell the streaming stager this loader's order; reads still wait for their "
+                        "files", exc_info=True)
 
     def __len__(self) -> int:
         if self.backend_loader is not None:
@@ -319,6 +337,8 @@ class DataLoader(StatefulDataLoader[T_co]):
             return
         if self._hinter is not None:
             self._hinter.close()
+        if self.orders is not None:
+            self.orders.close()
         it = self._iterator
         self._iterator = None
         shutdown = getattr(it, "_shutdown_workers", None)
@@ -341,7 +361,7 @@ class DataLoader(StatefulDataLoader[T_co]):
     @staticmethod
     def _on_disk_tier(dataset: Any) -> bool:
         from ..cache.tiers import mount_of
-        from .datasets import root_of
+        from .listing import root_of
 
         root = root_of(dataset)
         return root is not None and not mount_of(root).is_memory

@@ -8,9 +8,25 @@ if TYPE_CHECKING:
     from .stats import EpochStats
 
 
+SOURCE_BOUND = 0.5  #: a stall is blamed on the source when this share of the loading time waited for files
+
+
+def source_bound(e: EpochStats) -> str:
+    """The verdict when files not staged yet held the loader back (a streaming stage behind its source)."""
+    share = e.source_bound_fraction
+    return (f"Source-bound: the source is the bottleneck: {100 * share:.0f}% of the loading time "
+            f"({e.not_staged_s:.1f}s, {e.misses} files) was spent waiting for files not staged yet, the rest "
+            "reading, decoding and handing over batches. Stage ahead of the job (`stagingloader stage SRC` in the "
+            "job's prolog, or ds.wait() before training), raise the source's bandwidth (more stager workers, a "
+            "faster link or share), or, where the dataset is larger than the tier, use --cache-limit so the files "
+            "needed soonest stay local; later epochs read local copies.")
+
+
 def explain(e: EpochStats, tier: str = "", backend: str = "torch") -> str:
-    """One or two sentences: storage, CPU or transfer, with the fix (``tier``: where the data is read from;
-    ``backend``: which loader read it)."""
+    """One or two sentences: the source (files not staged yet), storage, CPU or transfer, with the fix (``tier``:
+    where the data is read from; ``backend``: which loader read it)."""
+    if e.not_staged_s > 0 and e.source_bound_fraction >= SOURCE_BOUND:
+        return source_bound(e)
     if backend == "dali":
         return ("The DALI pipeline did not keep up (it reads and decodes in its own threads, so the time is not "
                 "split further): give it more CPU threads (num_workers=) or a deeper queue (prefetch_factor=), "
@@ -53,6 +69,9 @@ def diagnose(loader: Any) -> str:
         head += f"; GPU utilisation {e.gpu_util:.0f}%"
         if e.gpu_util < 80 and e.stall_fraction > STALL_WARNING:
             head += " (under 80% while the loop waits on data: the data path holds the GPU back)"
+    if e.misses:
+        head += (f"; {e.not_staged_s:.2f}s of the loading time ({100 * e.source_bound_fraction:.0f}%) waited for "
+                 f"{e.misses} files not staged yet (source-bound), the rest read/decode/transfer")
     if e.stall_fraction <= STALL_WARNING:
         return head + ": the loader keeps up; data is not the bottleneck."
     return f"{head}. {explain(e, getattr(stats, 'tier', ''), getattr(stats, 'backend', 'torch'))}"

@@ -39,12 +39,28 @@ class StateMismatchError(UsageError, AssertionError):
 
 
 # ---- samplers ---------------------------------------------------------------------------------------
+def chunks_of(n: int, total: int, replacement: bool) -> list[tuple[int, int]]:
+    """(size drawn, samples taken) of each draw of an epoch of ``total`` samples out of ``n``, in torch's order
+    (``RandomSampler.__iter__``: whole permutations then a cut one; or 32 at a time with replacement)."""
+    if replacement:
+        return [(32, 32)] * (total // 32) + [(total % 32, total % 32)]
+    return [(n, n)] * (total // n) + [(n, total % n)]
+
+
+def draw(n: int, size: int, replacement: bool, gen: torch.Generator) -> torch.Tensor:
+    """One draw of :func:`chunks_of`, from ``gen``, exactly as torch's RandomSampler draws it."""
+    if replacement:
+        return torch.randint(high=n, size=(size,), dtype=torch.int64, generator=gen)
+    return torch.randperm(n, generator=gen)
+
+
 class _RandomIter:
     """torch's RandomSampler order, drawn chunk by chunk exactly as torch draws it, with a state."""
 
     def __init__(self, sampler: RandomSampler) -> None:
         self.sampler = sampler
         self.yielded = 0
+        self.start = 0  #: where this iterator started in its epoch (a resumed state's position)
         self._gen: torch.Generator | None = None
         self._start: torch.Tensor | None = None
         self._chunks: list[tuple[int, int]] = []  # (size drawn, samples taken) in torch's order
@@ -67,21 +83,14 @@ class _RandomIter:
         if start is not None:
             gen.set_state(start)
         self._gen, self._start = gen, gen.get_state()
-        if s.replacement:
-            self._chunks = [(32, 32)] * (total // 32) + [(total % 32, total % 32)]
-        else:
-            self._chunks = [(n, n)] * (total // n) + [(n, total % n)]
+        self._chunks = chunks_of(n, total, s.replacement)
 
     def _draw(self) -> None:
         """Draw the next chunk of the order; what is left of the current one stays in front."""
         assert self._gen is not None
         size, take = self._chunks[self._next_chunk]
         self._next_chunk += 1
-        n = len(self.sampler.data_source)
-        if self.sampler.replacement:
-            drawn = torch.randint(high=n, size=(size,), dtype=torch.int64, generator=self._gen)
-        else:
-            drawn = torch.randperm(n, generator=self._gen)
+        drawn = draw(len(self.sampler.data_source), size, self.sampler.replacement, self._gen)
         new = drawn[:take].tolist() if take else []  # drawn in full all the same: the generator moves as torch's
         self._chunk = self._chunk[self._pos:] + new if self._pos < len(self._chunk) else new
         self._pos = 0
@@ -122,6 +131,14 @@ class _RandomIter:
             self._draw()
         return self._chunk[self._pos:self._pos + k]
 
+    @property
+    def epoch_start(self) -> torch.Tensor:
+        """The generator state this epoch's order is drawn from (drawing the seed now, if not drawn yet)."""
+        if self._gen is None:
+            self._begin()
+        assert self._start is not None
+        return self._start
+
     def state_dict(self) -> dict[str, Any]:
         if self._gen is None:
             self._begin()  # the order is fixed now, as it would be at the first index
@@ -132,6 +149,7 @@ class _RandomIter:
         self._begin(decode_state(start) if start is not None else None)
         self.yielded = 0
         self.skip(int(state.get("yielded", 0)))
+        self.start = self.yielded
 
     def skip(self, k: int) -> None:
         """Jump ``k`` indices ahead: whole chunks are drawn (the generator must advance), none is yielded."""
@@ -198,6 +216,7 @@ class _BatchIter:
         self.batch_size, self.drop_last = bs.batch_size, bs.drop_last
         self.readahead = bs.readahead
         self.samples_yielded = 0
+        self.start = 0  #: the sample this iterator started its epoch at (a resumed state's position)
         self._it: Any = None  # the sampler's iterator, made at the first batch as torch makes it
         self._seq = _is_sequential(self.sampler)
         self._hinted = 0  # batches hinted so far
@@ -257,8 +276,12 @@ class _BatchIter:
             sd["rng_state"] = self._rng  # stagingloader's: torchdata's loader ignores the key
         return sd
 
+    def sampler_iter(self) -> Any:
+        """The sampler's iterator for this epoch (made now, as the first batch would make it, if not yet)."""
+        return self._sampler_iter()
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.samples_yielded = int(state["samples_yielded"])
+        self.samples_yielded = self.start = int(state["samples_yielded"])
         if "sampler_state" in state and _stateful(self.sampler):
             self.sampler.load_state_dict(state["sampler_state"])
         self._it = None

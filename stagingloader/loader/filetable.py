@@ -7,6 +7,7 @@ and :meth:`StagedArrays.file_table` (rows of ``.npy`` files) build it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,9 @@ class FileTable:
     header: bytes | None  #: the .npy header every file starts with (one .npy per sample), else None
     shape: tuple[int, ...] | None  #: one sample's shape when all samples share it, else None
     dtype: np.dtype[Any] | None  #: one sample's dtype when all share it, else None
+    #: while the dataset's stage streams: file ``f``'s path once it is whole and verified (waits for it, asking
+    #: the stager first); it may still move once (published): open it, and ask again on FileNotFoundError
+    ready: Callable[[int], str] | None = None
 
     def __len__(self) -> int:
         return len(self.file)
@@ -46,10 +50,11 @@ class NpyHeader:
         return len(self.header) + int(np.prod(self.shape)) * self.dtype.itemsize
 
 
-def npy_header(path: str, size: int) -> NpyHeader | None:
-    """The header of the ``.npy`` file at ``path`` (``size`` bytes) when its payload can be read as is
-    (C order, no objects, version 1 or 2, nothing after the array); None otherwise."""
-    with open(path, "rb") as f:
+def npy_header(path: str, size: int, *, fd: int | None = None) -> NpyHeader | None:
+    """The header of the ``.npy`` file at ``path`` (``size`` bytes; read through ``fd`` when given, which stays
+    open) when its payload can be read as is (C order, no objects, version 1 or 2, nothing after the array);
+    None otherwise."""
+    with (open(fd, "rb", closefd=False) if fd is not None else open(path, "rb")) as f:
         try:
             version = np.lib.format.read_magic(f)
             if version not in ((1, 0), (2, 0)):

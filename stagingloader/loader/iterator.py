@@ -197,7 +197,10 @@ class LoaderIter:
         t0 = time.perf_counter()
         try:  # all of it: torch's SIGCHLD handler raises a worker's death wherever the main thread is
             batch = self._next()
-            self.loader.stats.record(time.perf_counter() - t0, batch_len(batch), batch_nbytes(batch))
+            n = batch_len(batch)
+            self.loader.stats.record(time.perf_counter() - t0, n, batch_nbytes(batch))
+            if self.loader.orders is not None:  # a streaming stage: where this reader is in its order
+                self.loader.orders.advance(n)
             return batch
         except StopIteration:
             self._end()

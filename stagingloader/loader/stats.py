@@ -23,9 +23,10 @@ import torch
 
 log = logging.getLogger("stagingloader.loader")
 
-#: Columns of the worker clock.
-READ_S, DECODE_S, COLLATE_S, FETCH_S, READ_BYTES, BATCHES = range(6)
-_COLUMNS = 6
+#: Columns of the worker clock.  NOT_STAGED_S: seconds spent waiting for files a streaming stage had not staged
+#: yet (inside the read times, and taken out of them when an epoch is summed up); MISSES: reads that waited so.
+READ_S, DECODE_S, COLLATE_S, FETCH_S, READ_BYTES, BATCHES, NOT_STAGED_S, MISSES = range(8)
+_COLUMNS = 8
 STALL_WARNING = 0.10
 WARN_MIN_BATCHES, WARN_MIN_SECONDS = 20, 1.0  #: shorter epochs are too short to judge
 RECENT_WAITS = 512  #: per epoch, the last waits kept as they were (for plots); the rest is in the histogram
@@ -177,6 +178,8 @@ class EpochStats:
     collate_s: float = 0.0
     fetch_s: float = 0.0
     read_bytes: int = 0
+    not_staged_s: float = 0.0  #: waiting for files a streaming stage had not staged yet (source-bound), summed
+    misses: int = 0  #: reads that had to wait for a file not staged yet
     gpu_util: float | None = None  #: mean GPU utilisation (%) over the epoch, where NVML is available
     waits: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_WAITS), repr=False)  #: the last waits
     histogram: WaitHistogram = field(default_factory=WaitHistogram, repr=False)  #: every wait, bucketed
@@ -184,6 +187,13 @@ class EpochStats:
     @property
     def stall_fraction(self) -> float:
         return self.wait_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def source_bound_fraction(self) -> float:
+        """The share of the loading time (reading, decoding, collating, waiting for files) that went to files not
+        staged yet."""
+        busy = self.not_staged_s + max(self.fetch_s, self.read_s + self.decode_s) + self.collate_s
+        return self.not_staged_s / busy if busy > 0 else 0.0
 
     @property
     def samples_per_s(self) -> float:
@@ -198,13 +208,14 @@ class EpochStats:
         if with_waits:
             d["waits"] = list(self.waits)
             d["wait_histogram"] = self.histogram.to_dict()
-        d.update(stall_fraction=self.stall_fraction, samples_per_s=self.samples_per_s, bytes_per_s=self.bytes_per_s)
+        d.update(stall_fraction=self.stall_fraction, source_bound_fraction=self.source_bound_fraction,
+                 samples_per_s=self.samples_per_s, bytes_per_s=self.bytes_per_s)
         return d
 
 
 def _add(into: EpochStats, e: EpochStats) -> None:
     for name in ("batches", "samples", "bytes", "wall_s", "wait_s", "read_s", "decode_s", "collate_s", "fetch_s",
-                 "read_bytes"):
+                 "read_bytes", "not_staged_s", "misses"):
         setattr(into, name, getattr(into, name) + getattr(e, name))
     into.histogram.merge(e.histogram)
 
@@ -289,6 +300,9 @@ class LoaderStats:
             d = clock.totals() - self._clock_at_start
             cur.read_s, cur.decode_s, cur.collate_s, cur.fetch_s = (float(d[i]) for i in range(4))
             cur.read_bytes = int(d[READ_BYTES])
+            cur.not_staged_s += float(d[NOT_STAGED_S])
+            cur.misses += int(d[MISSES])
+            cur.read_s = max(0.0, cur.read_s - float(d[NOT_STAGED_S]))  # the waits happened inside reads
         self.epochs.append(cur)
         del self.epochs[:-KEPT_EPOCHS]
         _add(self._done, cur)
@@ -298,6 +312,13 @@ class LoaderStats:
         if not self.quiet:
             self._log(cur)
         return cur
+
+    def add_not_staged(self, seconds: float, misses: int = 0) -> None:
+        """A backend that reads in this process (GDS, DALI) adds its waits for files not staged yet."""
+        cur = self.current
+        if cur is not None:
+            cur.not_staged_s += seconds
+            cur.misses += misses
 
     # ---- reading ------------------------------------------------------------------------------
     @property
@@ -331,6 +352,9 @@ class LoaderStats:
             e.epoch, e.batches, e.samples_per_s, e.bytes_per_s / 1e6, e.wait_s, e.wall_s, 100 * e.stall_fraction,
             1e3 * e.wait_p50_s, 1e3 * e.wait_p99_s, e.first_batch_s, e.read_s, e.decode_s, e.collate_s,
         )
+        if e.misses:
+            log.info("epoch %d: %.2fs (%.0f%% of the loading time) waiting for %d files not staged yet",
+                     e.epoch, e.not_staged_s, 100 * e.source_bound_fraction, e.misses)
         if e.gpu_util is not None:
             log.info("epoch %d: GPU utilisation %.0f%% on average while the loop waited %.1f%% of the time",
                      e.epoch, e.gpu_util, 100 * e.stall_fraction)

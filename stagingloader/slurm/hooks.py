@@ -243,7 +243,8 @@ def _supervise(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, us
         req: StageRequest = plan["request"]
         t0 = time.monotonic()
         op = {"op": "stage", "src": req.src, "roots": plan["roots"], "lease": lease, "shard": plan["shard"],
-              "shared": plan["shared"], "max_ram_fraction": cfg.max_ram_fraction, "lock_timeout": None}
+              "shared": plan["shared"], "max_ram_fraction": cfg.max_ram_fraction, "lock_timeout": None,
+              "wait": req.wait}
         if plan["shared"]:
             answer = run_worker({"op": "access", "src": req.src}, user)
             if answer.get("ok"):
@@ -252,10 +253,12 @@ def _supervise(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, us
             answer = run_worker(op, user)
         seconds = time.monotonic() - t0
         if answer.get("ok"):
-            say(f"staged {req.src}: {answer['files']} files, {answer['bytes']} bytes in {seconds:.1f}s "
+            verb = "streaming" if answer.get("streaming") else "staged"
+            say(f"{verb} {req.src}: {answer['files']} files, {answer['bytes']} bytes in {seconds:.1f}s "
                 f"-> {answer['root']}")
-            results.append(_entry(plan, "ok", **{k: answer[k] for k in ("root", "dataset_dir", "version",
-                                                                        "staging_root", "lease")}))
+            results.append(_entry(plan, "ok", streaming=bool(answer.get("streaming")),
+                                  **{k: answer[k] for k in ("root", "dataset_dir", "version", "staging_root",
+                                                            "lease")}))
         else:
             reason = f"{answer.get('error')}: {answer.get('message')}"
             say(f"staging {req.src} failed: {reason}")
@@ -283,7 +286,7 @@ def task_prolog_lines(status: dict[str, Any] | None) -> list[str]:
         suffix = f"_{d['name'].upper()}" if d.get("name") else (f"_{i}" if i else "")
         names = [suffix, ""] if suffix and i == 0 else [suffix]  # the first dataset also without a suffix
         if d.get("state") == "ok":
-            value = "ok"
+            value = "streaming" if d.get("streaming") else "ok"
         elif d.get("state") == "failed":
             value = f"failed: {_one_line(d.get('reason', ''))}"
         else:

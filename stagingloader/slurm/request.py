@@ -1,11 +1,12 @@
-"""What a job asks for: ``--comment "stage=SRC[;root=...][;name=N][;shard=node]"`` or a spec file.
+"""What a job asks for: ``--comment "stage=SRC[;root=...][;name=N][;shard=node][;wait=no]"`` or a spec file.
 
 Pure parsing, no I/O: the hooks read the comment and the spec file, this module says what
 they mean or raises :class:`UsageError` with a message the job will see.
 
 Comment grammar: items separated by ``;``; each ``stage=SRC`` starts a request, and ``root=``,
-``name=`` and ``shard=`` that follow apply to it.  ``stage-spec=/path/spec.toml`` names a TOML
-file of ``[[stage]]`` tables with the same keys (``src``, ``root``, ``name``, ``shard``).  A comment
+``name=``, ``shard=`` and ``wait=`` that follow apply to it (``wait=no``: the prolog starts a streaming stager
+and returns at once; the job trains while it stages).  ``stage-spec=/path/spec.toml`` names a TOML
+file of ``[[stage]]`` tables with the same keys (``src``, ``root``, ``name``, ``shard``, ``wait``).  A comment
 with neither ``stage=`` nor ``stage-spec=`` is not a request, and the hooks leave the job alone.
 """
 
@@ -32,6 +33,7 @@ class StageRequest:
     root: str = "auto"
     name: str | None = None
     shard: str | None = None  #: None or "node"
+    wait: bool = True  #: False (``wait=no``): stream; the prolog returns once the stager has started
 
     @property
     def env_suffix(self) -> str:
@@ -53,7 +55,8 @@ def _check_src(src: str) -> str:
     return src
 
 
-def make_request(src: str, *, root: str = "auto", name: str | None = None, shard: str | None = None) -> StageRequest:
+def make_request(src: str, *, root: str = "auto", name: str | None = None, shard: str | None = None,
+                 wait: str | bool = "yes") -> StageRequest:
     root = (root or "auto").strip()
     if root not in ROOTS:
         raise UsageError(f"root={root!r} is not one of {', '.join(ROOTS)}")
@@ -61,7 +64,11 @@ def make_request(src: str, *, root: str = "auto", name: str | None = None, shard
         raise UsageError(f"name={name!r}: use a letter then letters, digits or _ (at most 32)")
     if shard not in (None, "node"):
         raise UsageError(f"shard={shard!r}: only shard=node is supported")
-    return StageRequest(src=_check_src(src), root=root, name=name, shard=shard)
+    if isinstance(wait, str):
+        if wait.strip().lower() not in ("yes", "no"):
+            raise UsageError(f"wait={wait!r}: use wait=no (train while it stages) or wait=yes (the default)")
+        wait = wait.strip().lower() == "yes"
+    return StageRequest(src=_check_src(src), root=root, name=name, shard=shard, wait=wait)
 
 
 def is_request(comment: str | None) -> bool:
@@ -89,14 +96,15 @@ def parse_comment(comment: str) -> tuple[list[StageRequest], str | None]:
             if not value.startswith("/") or ".." in value.split("/"):
                 raise UsageError(f"stage-spec={value!r} must be an absolute path without '..'")
             spec = value
-        elif key in ("root", "name", "shard"):
+        elif key in ("root", "name", "shard", "wait"):
             if not requests:
                 raise UsageError(f"{key}= must follow a stage=SRC in the job comment")
             if key in requests[-1]:
                 raise UsageError(f"{key}= given twice for stage={requests[-1]['src']}")
             requests[-1][key] = value
         else:
-            raise UsageError(f"unknown key {key!r} in the job comment; use stage=, root=, name=, shard=, stage-spec=")
+            raise UsageError(f"unknown key {key!r} in the job comment; use stage=, root=, name=, shard=, wait=, "
+                             "stage-spec=")
     if len(requests) > MAX_REQUESTS:
         raise UsageError(f"at most {MAX_REQUESTS} datasets per job, not {len(requests)}")
     return [make_request(**r) for r in requests], spec
@@ -127,14 +135,15 @@ def parse_spec(text: str, where: str = "the spec file") -> list[StageRequest]:
         raise UsageError(f"at most {MAX_REQUESTS} datasets per job, not {len(tables)}")
     out = []
     for t in tables:
-        unknown = set(t) - {"src", "root", "name", "shard"}
+        unknown = set(t) - {"src", "root", "name", "shard", "wait"}
         if unknown:
-            raise UsageError(f"unknown key(s) {sorted(unknown)} in {where}; use src, root, name, shard")
+            raise UsageError(f"unknown key(s) {sorted(unknown)} in {where}; use src, root, name, shard, wait")
         if not isinstance(t.get("src"), str):
             raise UsageError(f"each [[stage]] in {where} needs src = \"...\"")
         if any(not isinstance(v, str) for v in t.values()):
             raise UsageError(f"every value in {where} must be a string")
-        out.append(make_request(t["src"], root=t.get("root", "auto"), name=t.get("name"), shard=t.get("shard")))
+        out.append(make_request(t["src"], root=t.get("root", "auto"), name=t.get("name"), shard=t.get("shard"),
+                                wait=t.get("wait", "yes")))
     return out
 
 

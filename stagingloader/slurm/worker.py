@@ -25,7 +25,7 @@ from ..errors import NoSpaceError, StagingError, UsageError
 from ..staging.result import StagedDataset
 from ..staging.sharding import take_shard
 from ..staging.sources import Source
-from ..staging.stager import StageOptions, run_stage
+from ..staging.stager import StageOptions, StagePlan, run_stage
 
 
 def _stage(op: dict[str, Any]) -> dict[str, Any]:
@@ -42,7 +42,12 @@ def _stage(op: dict[str, Any]) -> dict[str, Any]:
     opts = StageOptions(root=str(chosen), lease=op["lease"], shard=shard,
                         lock_timeout=op.get("lock_timeout"), max_ram_fraction=fraction)
     try:
-        ds = run_stage(op["src"], opts, env={})
+        if op.get("wait", True) is False:  # wait=no: a detached streaming stager under the job's lease; it stops
+            from ..staging.streaming import stage_streaming  # when the epilog drops that lease
+
+            ds: StagedDataset | StagePlan = stage_streaming(op["src"], opts, env={})
+        else:
+            ds = run_stage(op["src"], opts, env={})
     except NoSpaceError as e:
         if len(roots) > 1:
             raise NoSpaceError(f"{e} (tried {', '.join(map(str, roots))})") from None
@@ -51,7 +56,8 @@ def _stage(op: dict[str, Any]) -> dict[str, Any]:
     if op.get("shared"):
         os.chmod(ds.dataset_dir, 0o755)
     return {"ok": True, "root": str(ds.root), "dataset_dir": str(ds.dataset_dir), "version": ds.version,
-            "files": len(ds.files), "bytes": ds.total_bytes, "lease": ds.lease, "staging_root": str(chosen)}
+            "files": len(ds.files), "bytes": ds.total_bytes, "lease": ds.lease, "staging_root": str(chosen),
+            "streaming": ds.streaming}
 
 
 def _access(op: dict[str, Any]) -> dict[str, Any]:

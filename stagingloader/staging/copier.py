@@ -58,6 +58,7 @@ class CopySettings:
     range_size: int = 8 << 20  #: large files are split into ranges of this size
     large_threshold: int = 32 << 20  #: files above this size are copied by ranges
     fsync: bool = False
+    small_batch_files: int = SMALL_BATCH_FILES  #: small files per task (a streaming run takes 1: no file waits)
 
 
 class Progress:
@@ -230,8 +231,8 @@ class Copier:
 
     # ---- driver ----------------------------------------------------------------------------
     def run(self, files: Iterable[SourceFile]) -> None:
-        """Copy ``files`` (pulled lazily: a stager hands them out one at a time from its columns); on the first
-        failure stop, clean up, and raise it."""
+        """Copy ``files``, pulled lazily (a generator may pick each next file when a slot frees; the stager hands
+        them out one at a time from its columns); on the first failure stop, clean up, and raise it."""
         s = self.settings
         slots = _Slots(s.workers + min(s.workers, 4), s.range_size)
         futures: set[Future[None]] = set()
@@ -264,7 +265,7 @@ class Copier:
             if f.size <= s.large_threshold:
                 batch.append(f)
                 batch_bytes += f.size
-                if len(batch) >= SMALL_BATCH_FILES or batch_bytes >= SMALL_BATCH_BYTES:
+                if len(batch) >= s.small_batch_files or batch_bytes >= SMALL_BATCH_BYTES:
                     yield ("files", batch)
                     batch, batch_bytes = [], 0
                 continue

@@ -19,7 +19,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +79,7 @@ class Incoming:
         self._digest = np.zeros((0, 16), dtype=np.uint8)  # per listing row: its digest, once recorded
         self._changed: dict[int, tuple[int, int, str]] = {}  # row -> what was recorded, where not the listing's
         self._extra: list[Entry] = []  # entries of files not handed out by track()
+        self.on_record: Callable[[list[Entry]], None] | None = None  #: told of each file recorded (streaming)
 
     def open(self) -> None:
         self.data.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -118,6 +119,8 @@ class Incoming:
             due = len(self._buffer) >= self.FLUSH_EVERY or time.monotonic() - self._last_flush > self.FLUSH_SECONDS
         if due:
             self.flush()
+        if self.on_record is not None:
+            self.on_record(entries)
 
     def journal(self, entries: list[Entry]) -> None:
         """Journal ``entries`` without filing them (files whose entries the caller already holds: hard links)."""

@@ -6,10 +6,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..cache.layout import DatasetDir
 from ..cache.manifest import Manifest
+
+if TYPE_CHECKING:
+    from .streaming import StreamHandle, StreamProgress
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,11 @@ class StagedDataset:
     ``root`` mirrors the source's relative paths, so tools that expect a folder (ImageFolder,
     DALI readers) use it as is.  Use as a context manager, or call :meth:`release`, to drop
     the lease this object holds.
+
+    From ``stage(..., wait=False)`` while the copy goes on, ``streaming`` is True: ``root`` does not exist yet
+    (the version is published when complete), ``manifest`` lists paths and sizes without digests, files are
+    read through ``StagedFiles(ds)`` (or :func:`stagingloader.staging.stream.resolve`), and :meth:`wait`
+    returns the finished dataset.  :meth:`release` (or leaving the ``with`` block) also stops the stager.
     """
 
     source: str
@@ -83,6 +91,36 @@ class StagedDataset:
     manifest: Manifest
     report: StageReport | None = None
     lease: str | None = None
+    stream: StreamHandle | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def streaming(self) -> bool:
+        """Was this returned while the dataset still streams in (``stage(..., wait=False)``)?"""
+        return self.stream is not None
+
+    @property
+    def stream_dir(self) -> Path | None:
+        """``DDIR/incoming/stream``: the streaming protocol's folder (None for a finished stage)."""
+        return self.stream.stream_dir if self.stream is not None else None
+
+    @property
+    def progress(self) -> StreamProgress:
+        """How far the stage is (files and bytes done, state, error); a finished stage is complete."""
+        if self.stream is not None:
+            return self.stream.progress()
+        from .streaming import StreamProgress
+
+        n, b = len(self.manifest), self.manifest.total_bytes
+        return StreamProgress(n, n, b, b, "complete")
+
+    def wait(self, timeout: float | None = None) -> StagedDataset:
+        """Block until the streaming stage is published (at most ``timeout`` seconds: StageTimeoutError); the
+        finished dataset, sharing this one's lease.  Raises the stager's error (StagerFailedError) if it failed
+        or is gone.  A finished dataset returns itself."""
+        if self.stream is None:
+            return self
+        manifest = self.stream.wait(timeout)
+        return StagedDataset(self.source, self.root, self.version, self.dataset_dir, manifest, self.report, self.lease)
 
     @property
     def key(self) -> str:
@@ -101,7 +139,10 @@ class StagedDataset:
         return self.root / rel
 
     def release(self) -> None:
-        """Drop this object's lease; the version may then be evicted or replaced."""
+        """Stop a streaming stager this object started, and drop its lease; the version may then be evicted or
+        replaced."""
+        if self.stream is not None:
+            self.stream.close()
         if self.lease is not None:
             from ..cache import leases
 
@@ -114,5 +155,6 @@ class StagedDataset:
         self.release()
 
     def __repr__(self) -> str:
+        extra = ", streaming" if self.stream is not None else ""
         return (f"StagedDataset({self.source!r}, root={str(self.root)!r}, files={len(self.files)}, "
-                f"version={self.version})")
+                f"version={self.version}{extra})")

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..cache import leases, trust
 from ..cache.capacity import Tier, resolve_root
-from ..cache.columns import CHUNK_ROWS, DigestColumn, Int64Array, StrColumn, digest_raw, join
+from ..cache.columns import CHUNK_ROWS, DigestColumn, Int64Array, RowArray, StrColumn, digest_raw, join
 from ..cache.layout import DatasetDir, current_user, dataset_key, safe_join
 from ..cache.locking import DatasetLock
 from ..cache.manifest import Entry, Manifest
@@ -37,7 +37,7 @@ from ..units import human_bytes
 from .copier import Copier, CopySettings, Progress, as_root_error
 from .copyplan import CORRUPT, CopyPlan, make_plan
 from .incoming import Incoming
-from .listing import Listing
+from .listing import Listing, SourceFile
 from .result import StagedDataset, StageReport
 from .sharding import take_shard
 from .sources import Source
@@ -117,6 +117,25 @@ def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = N
     The run's lease is the named one ``opts.lease`` if given, else one tied to the process ``holder_pid`` (the
     Python API's own process; the CLI's caller), else none.
     """
+    run, identity = open_run(src, opts, env=env, on_event=on_event)
+    foreign = _someone_elses(run.ddir)  # another user's folder, or a link, is refused here
+    if opts.dry_run:
+        if not foreign and trust.lstat(run.ddir.path) is not None:
+            run.ddir.check(writable=True)
+        return _dry_run(run)
+    if foreign:
+        return _use_read_only(run)
+    own_folder(run, env)
+    with DatasetLock(run.ddir.lock_file, timeout=opts.lock_timeout, on_wait=run.say):
+        own_folder(run)  # the folder whose lock we hold: gc may have removed the one we checked while we waited
+        return _stage_locked(run, identity=identity, callback=callback, on_file=on_file, holder_pid=holder_pid)
+
+
+def open_run(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = None,
+             on_event: Callable[[str], None] | None = None, cache_limit: int | None = None,
+             verb: str = "staging") -> tuple[StageRun, str]:
+    """List the source (this node's shard) and pick the root: what a run works on, and the source's identity.
+    ``cache_limit``: the bytes the run may keep on the tier (a streaming run), which is what ``auto`` must find."""
     env = dict(os.environ) if env is None else env
     say = on_event or (lambda text: log.info("%s", text))
     t0 = time.perf_counter()
@@ -125,27 +144,23 @@ def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = N
     total = listing.total_bytes
     identity = source.identity() + _selection_suffix(opts)
     key = dataset_key(identity)
-    tier, why = resolve_root(opts.root, total, key, max_ram_fraction=opts.max_ram_fraction, env=env,
+    needed = total if cache_limit is None else min(total, cache_limit)
+    tier, why = resolve_root(opts.root, needed, key, max_ram_fraction=opts.max_ram_fraction, env=env,
                              user=current_user(), create=not opts.dry_run)
-    say(f"{'would stage' if opts.dry_run else 'staging'} {source.url} ({len(listing)} files, {human_bytes(total)}) "
+    say(f"{'would stage' if opts.dry_run else verb} {source.url} ({len(listing)} files, {human_bytes(total)}) "
         f"into {tier.describe()}: {why}")
-    run = _Run(source=source, listing=listing, opts=opts, tier=tier, why=why, ddir=DatasetDir(tier.path / key),
-               t0=t0, say=say)
-    foreign = _someone_elses(run.ddir)  # another user's folder, or a link, is refused here
-    if opts.dry_run:
-        if not foreign and trust.lstat(run.ddir.path) is not None:
-            run.ddir.check(writable=True)
-        return _dry_run(run)
-    if foreign:
-        return _use_read_only(run)
-    _own_folder(run)
-    remember_root(tier.path, env)
-    with DatasetLock(run.ddir.lock_file, timeout=opts.lock_timeout, on_wait=say):
-        _own_folder(run)  # the folder whose lock we hold: gc may have removed the one we checked while we waited
-        return _stage_locked(run, identity=identity, callback=callback, on_file=on_file, holder_pid=holder_pid)
+    run = StageRun(source=source, listing=listing, opts=opts, tier=tier, why=why, ddir=DatasetDir(tier.path / key),
+                   t0=t0, say=say)
+    return run, identity
 
 
-def _own_folder(run: _Run) -> None:
+def someone_elses(run: StageRun) -> bool:
+    """Is the run's dataset folder another user's (root's site-shared copy)?  Another ordinary user's, or a link,
+    is refused with a CacheError."""
+    return _someone_elses(run.ddir)
+
+
+def own_folder(run: StageRun, env: Mapping[str, str] | None = None) -> None:
     """Make the dataset folder (0700), or check the one there is ours and sound.  Until this run holds the dataset's
     lock, gc may remove the folder between two steps: then it is made again."""
     for attempt in range(1, 6):
@@ -153,6 +168,8 @@ def _own_folder(run: _Run) -> None:
             trust.private_dir(run.ddir.path, what="dataset folder",
                               fix="remove it (rm -r {path}) and stage again, or pick another --root")
             run.ddir.check(writable=True)
+            if env is not None:
+                remember_root(run.tier.path, env)
             return
         except PermissionError:
             raise RootError(f"cannot create {run.ddir.path}: permission denied; pick another --root") from None
@@ -162,7 +179,7 @@ def _own_folder(run: _Run) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Run:
+class StageRun:
     """What one ``stage`` call works on: the source and its listing, the options, the tier and the dataset folder."""
 
     source: Source
@@ -193,7 +210,7 @@ def _someone_elses(ddir: DatasetDir) -> bool:
     return True
 
 
-def _use_read_only(run: _Run) -> StagedDataset:
+def _use_read_only(run: StageRun) -> StagedDataset:
     """A dataset root staged for everyone (a site-wide shared copy): use it as it is, if it is current and,
     checked as ``--verify`` says and against the source manifest where there is one, intact.
 
@@ -226,38 +243,75 @@ def _selection_suffix(opts: StageOptions) -> str:
     return ("?" + "&".join(parts)) if parts else ""
 
 
-def _stage_locked(run: _Run, *, identity: str, callback: Any, on_file: Callable[[int], None] | None,
-                  holder_pid: int | None) -> StagedDataset | StagePlan:
-    """The stage's story, under the dataset's lock: check what is staged, plan, copy, publish, lease."""
+@dataclass(frozen=True, kw_only=True)
+class LockedPlan:
+    """What a run found under the dataset's lock: the published version, the source manifest's digests, what an
+    interrupted run left in ``incoming``, and the plan."""
+
+    base_version: str | None
+    base: Manifest | None
+    expected: Mapping[str, str]  #: path -> digest of the source manifest (a view of ``source_manifest``), or {}
+    incoming: Incoming
+    done: dict[str, Entry]
+    plan: CopyPlan
+    source_manifest: Manifest | None = None
+
+
+def plan_locked(run: StageRun, identity: str) -> LockedPlan:
+    """Under the dataset's lock: record the dataset, check the published version and ``incoming``, and plan."""
     ddir = run.ddir
     ddir.sweep_deleting()
     _record_dataset(run, identity)
     base_version, base = _load_base(ddir, run.say)
-    expected = _expected_digests(run.source)
-    base_bad = _check_base(run, base_version, base, expected)
+    source_manifest = _expected_digests(run.source)
+    base_bad = _check_base(run, base_version, base, source_manifest)
     incoming = Incoming(ddir.incoming, fsync=run.fsync)
     done, stray = incoming.load(run.listing.by_path()) if ddir.incoming.exists() else ({}, 0)
     plan = make_plan(run.listing, base, base_bad=base_bad, incoming=done, free_bytes=run.tier.budget + stray)
-    _refuse_if_short(run, plan)
+    expected = source_manifest.digests(incoming.row_of) if source_manifest is not None else {}
+    return LockedPlan(base_version=base_version, base=base, expected=expected, incoming=incoming, done=done,
+                      plan=plan, source_manifest=source_manifest)
+
+
+def _stage_locked(run: StageRun, *, identity: str, callback: Any, on_file: Callable[[int], None] | None,
+                  holder_pid: int | None) -> StagedDataset | StagePlan:
+    """The stage's story, under the dataset's lock: check what is staged, plan, copy, publish, lease."""
+    ddir = run.ddir
+    lp = plan_locked(run, identity)
+    plan = lp.plan
+    refuse_if_short(run, plan)
     copier = None
     if plan.up_to_date:
-        if base is None or base_version is None:
-            raise InternalError("a plan found the dataset up to date without a staged version")
-        version, manifest = base_version, base
-        trust.remove_tree(ddir.incoming)
+        version, manifest = keep_published(run, lp)
     else:
         version = ddir.next_version()
         progress = Progress(callback, on_file)
-        manifest, copier = _build_version(run, plan, incoming, done, expected, progress, base_version, version)
-        _forget_repairs(ddir, version)
-    lease_name = _take_lease(run, version, holder_pid)
+        manifest, copier = _build_version(run, lp, progress, version)
+    return finish(run, lp, version, manifest, holder_pid=holder_pid, copier=copier)
+
+
+def keep_published(run: StageRun, lp: LockedPlan) -> tuple[str, Manifest]:
+    """The plan found the published version up to date: keep it, and drop what an interrupted run left."""
+    if lp.base is None or lp.base_version is None:
+        raise InternalError("a plan found the dataset up to date without a staged version")
+    trust.remove_tree(run.ddir.incoming)
+    return lp.base_version, lp.base
+
+
+def finish(run: StageRun, lp: LockedPlan, version: str, manifest: Manifest, *, holder_pid: int | None,
+           copier: Copier | None = None, lease_name: str | None = None) -> StagedDataset:
+    """After the version is published: take the run's lease (unless ``lease_name`` is the one it holds already),
+    remove versions nobody leases, and say what was done."""
+    ddir = run.ddir
+    if lease_name is None:
+        lease_name = take_lease(run, version, holder_pid)
     _remove_unleased(ddir, keep=version)
     ddir.touch()
     return StagedDataset(run.source.url, ddir.version_dir(version) / "data", version, ddir.path, manifest,
-                         _report(run, plan, manifest, version, copier), lease_name)
+                         _report(run, lp.plan, manifest, version, copier), lease_name)
 
 
-def _dry_run(run: _Run) -> StagePlan:
+def _dry_run(run: StageRun) -> StagePlan:
     """What a stage would do, found without writing anything: no folder, no lock, no lease, no switch."""
     ddir = run.ddir
     base_version, base = _load_base(ddir, run.say, publish=False) if ddir.path.is_dir() else (None, None)
@@ -268,7 +322,7 @@ def _dry_run(run: _Run) -> StagePlan:
     return StagePlan(run.source.url, str(run.tier.path), run.why, str(ddir.path), plan)
 
 
-def _record_dataset(run: _Run, identity: str) -> None:
+def _record_dataset(run: StageRun, identity: str) -> None:
     """Write ``dataset.json`` (source and selection, no secrets) the first time a dataset is staged."""
     if not run.ddir.read_info():
         opts = run.opts
@@ -277,7 +331,7 @@ def _record_dataset(run: _Run, identity: str) -> None:
                              "shard": list(opts.shard) if opts.shard else None})
 
 
-def _check_base(run: _Run, base_version: str | None, base: Manifest | None,
+def _check_base(run: StageRun, base_version: str | None, base: Manifest | None,
                 expected: Manifest | None) -> dict[str, str]:
     """Files of the published version that must not be reused: bad on disk, queued for repair, or not what
     the source manifest says."""
@@ -299,7 +353,7 @@ def _check_base(run: _Run, base_version: str | None, base: Manifest | None,
     return base_bad
 
 
-def _refuse_if_short(run: _Run, plan: CopyPlan) -> None:
+def refuse_if_short(run: StageRun, plan: CopyPlan) -> None:
     if not plan.fits:
         raise NoSpaceError(
             f"{run.source.url} needs {human_bytes(plan.bytes_to_copy)} more on {run.tier.describe()}: "
@@ -314,7 +368,7 @@ def _forget_repairs(ddir: DatasetDir, version: str) -> None:
     ddir.write_repairs(repairs)
 
 
-def _take_lease(run: _Run, version: str, holder_pid: int | None) -> str | None:
+def take_lease(run: StageRun, version: str, holder_pid: int | None) -> str | None:
     """This run's lease: a named one (``--lease``, a Slurm job's), or one tied to the process ``holder_pid``."""
     name = run.opts.lease
     if name is None and holder_pid is None:
@@ -325,7 +379,7 @@ def _take_lease(run: _Run, version: str, holder_pid: int | None) -> str | None:
         raise as_root_error(e) from e
 
 
-def _report(run: _Run, plan: CopyPlan, manifest: Manifest, version: str, copier: Copier | None) -> StageReport:
+def _report(run: StageRun, plan: CopyPlan, manifest: Manifest, version: str, copier: Copier | None) -> StageReport:
     return StageReport(
         source=run.source.url, staging_root=str(run.tier.path), tier=run.tier.kind, root_reason=run.why,
         dataset_dir=str(run.ddir.path), version=version, files=len(manifest), bytes=manifest.total_bytes,
@@ -361,36 +415,55 @@ def _expected_digests(source: Source) -> Manifest | None:
     return source.read_manifest()
 
 
-def _build_version(run: _Run, plan: CopyPlan, incoming: Incoming, done: dict[str, Entry],
-                   expected: Manifest | None, progress: Progress, base_version: str | None,
-                   version: str) -> tuple[Manifest, Copier]:
+def _build_version(run: StageRun, lp: LockedPlan, progress: Progress, version: str) -> tuple[Manifest, Copier]:
     """Copy what the plan says into ``incoming``, write its manifest, and publish it as ``version``."""
-    ddir, listing = run.ddir, run.listing
+    incoming = lp.incoming
+    to_copy = begin_version_rows(run, lp)
+    progress.set_size(int(run.listing.size[to_copy].sum()))
+    copier = Copier(run.source, incoming, CopySettings(workers=run.workers, fsync=incoming.fsync),
+                    expected=lp.expected, progress=progress, stop=threading.Event())
+    try:
+        copier.run(incoming.track(run.listing, to_copy))
+    except BaseException:
+        with contextlib.suppress(OSError):  # e.g. a full disk: the copier's error is the one to report
+            incoming.close()
+        raise
+    return publish_version(run, lp, version), copier
+
+
+def begin_version(run: StageRun, lp: LockedPlan) -> list[SourceFile]:
+    """:func:`begin_version_rows`, as the files themselves (a streaming run schedules them by name)."""
+    return list(run.listing.iter_rows(begin_version_rows(run, lp)))
+
+
+def begin_version_rows(run: StageRun, lp: LockedPlan) -> RowArray:
+    """Ready ``incoming`` for the copy: sweep what an interrupted run left, drop stale files, start the journal,
+    hard-link unchanged files from the published version.  Returns the listing rows left to copy, in order."""
+    ddir, plan, incoming = run.ddir, lp.plan, lp.incoming
     if ddir.incoming.exists():
-        incoming.sweep(done)
+        incoming.sweep(lp.done)
         incoming.drop(plan.drop)
     incoming.path.mkdir(mode=0o755, exist_ok=True)
     incoming.rewrite_journal(list(plan.keep))
     incoming.open()
     to_copy = plan.copy_rows
-    if len(plan.link_rows) and base_version is not None and plan.base is not None:
-        fallback = _link_unchanged(ddir.version_dir(base_version) / "data", incoming, plan)
-        to_copy = np.sort(np.concatenate([to_copy, fallback]))
-    progress.set_size(int(listing.size[to_copy].sum()))
-    copier = Copier(run.source, incoming, CopySettings(workers=run.workers, fsync=incoming.fsync),
-                    expected=expected.digests(incoming.row_of) if expected is not None else None,
-                    progress=progress, stop=threading.Event())
-    try:
-        copier.run(incoming.track(listing, to_copy))
-    except BaseException:
-        with contextlib.suppress(OSError):  # e.g. a full disk: the copier's error is the one to report
-            incoming.close()
-        raise
+    if len(plan.link_rows) and lp.base_version is not None and plan.base is not None:
+        fallback = _link_unchanged(ddir.version_dir(lp.base_version) / "data", incoming, plan)
+        if len(fallback):
+            to_copy = np.sort(np.concatenate([to_copy, fallback]))
+    return to_copy
+
+
+def publish_version(run: StageRun, lp: LockedPlan, version: str,
+                    before_rename: Callable[[], None] | None = None) -> Manifest:
+    """Every file is in ``incoming``: close its journal, write its manifest, rename it to ``version`` and switch
+    ``current`` to it.  ``before_rename`` runs once the manifest is written (a streaming run's last state)."""
+    ddir, incoming = run.ddir, lp.incoming
     try:
         incoming.close()
     except OSError as e:  # the journal's last lines did not fit: a full disk, said as such
         raise as_root_error(e) from e
-    manifest = _new_manifest(run, plan, incoming)
+    manifest = _new_manifest(run, lp.plan, incoming)
     try:
         manifest.save(ddir.incoming / "manifest.json", fsync=incoming.fsync)
     except OSError as e:
@@ -398,12 +471,14 @@ def _build_version(run: _Run, plan: CopyPlan, incoming: Incoming, done: dict[str
     trust.remove_tree(incoming.partial)
     with contextlib.suppress(FileNotFoundError):
         incoming.journal_path.unlink()
+    if before_rename is not None:
+        before_rename()
     os.rename(ddir.incoming, ddir.version_dir(version))
     ddir.publish(version)
-    return manifest, copier
+    return manifest
 
 
-def _new_manifest(run: _Run, plan: CopyPlan, incoming: Incoming) -> Manifest:
+def _new_manifest(run: StageRun, plan: CopyPlan, incoming: Incoming) -> Manifest:
     """The new version's manifest, column by column: the listing's paths; each row's size, mtime, etag and
     digest from the published version (hard links), the interrupted run (kept) or this run (copied).  The
     listing's size and mtime arrays and the run's digest array are used as they are where nothing differs."""

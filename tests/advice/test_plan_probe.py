@@ -91,6 +91,11 @@ def test_plan_command_on_real_tiers(tmp_path: Path) -> None:
     by = {t["tier"]: t for t in out["tiers"]}
     assert by[str(tiny)]["fits"] is False and by[str(roomy)]["fits"] is True
     assert out["recommendation"] == f"stage to {roomy} (disk)" and out["command"].endswith(f"--root {roomy}")
+    # a local folder feeds 0.04 GB/s with ease: streaming costs nothing
+    assert out["streaming"]["choice"] == "stream" and out["streaming"]["command"].endswith(f"--root {roomy} --no-wait")
+    text = run_cli("plan", str(src), "--samples-per-s", "500", "--gpus", "2", "--epochs", "3", "--tier", str(roomy),
+                   env={"STAGINGLOADER_ROOT": str(tmp_path)})  # the probes are reused
+    assert text.returncode == 0 and "streaming (stream): stream: the source delivers" in text.stdout
 
 
 class _ThrottledFiles(sl.StagedFiles):

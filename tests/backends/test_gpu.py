@@ -103,3 +103,25 @@ def test_dali_on_the_gpu_equals_the_torch_path(tmp_path: Path) -> None:
     got = list(loader)
     assert all(b.is_cuda for b in got)
     assert _same(want, _batches(got))
+
+
+def test_gds_reads_a_streaming_stage_as_files_arrive(nvme_dir: Path, needs_cufile: str) -> None:
+    from tests.support.streamsim import SimStager
+
+    src = nvme_dir / "src"
+    src.mkdir()
+    rows = np.random.default_rng(1).standard_normal((300, 4, 16)).astype(np.float32)
+    for k in range(3):
+        np.save(src / f"part{k}.npy", rows[100 * k:100 * (k + 1)])
+    with SimStager(src, nvme_dir / "ds", delay=0.01, until_asked=True) as sim:
+        ds = sl.StagedArrays(nvme_dir / "ds")
+        assert ds.streaming
+        auto = sl.DataLoader(ds, batch_size=32, device="cuda")
+        assert auto.backend_loader is None and "still staging" in auto.stats.path_note  # auto: torch's path
+        auto.close()
+        loader = sl.DataLoader(ds, batch_size=32, shuffle=True, device="cuda", backend="gds",
+                               generator=torch.Generator().manual_seed(2))
+        got = torch.cat([b.cpu() for b in loader]).numpy()
+        assert sorted(map(bytes, got)) == sorted(map(bytes, rows))  # every row once, whole
+        sim.wait_published()
+        loader.close()

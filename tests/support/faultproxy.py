@@ -110,6 +110,7 @@ class FaultProxy:
         self.actions: Counter[str] = Counter()  # forward/error/drop_before/drop_mid/forced
         self._seen: dict[tuple[str, str], int] = {}
         self.handler_errors: list[str] = []  # exceptions in handler threads (client went away...)
+        self.log: list[tuple[str, str]] = []  #: (method, path) of each request, in the order they passed the holds
         self._lock = threading.Lock()
         self._always: list[tuple[str, int]] = []
         self._holds: list[_Hold] = []
@@ -163,6 +164,7 @@ class FaultProxy:
         path = target.split("?", 1)[0]
         with self._lock:
             self.requests += 1
+            self.log.append((method, path))
             for substring, status in self._always:
                 if substring in target:
                     self.actions["forced"] += 1

@@ -1,8 +1,10 @@
 """A real mounted file system that fails like a busy NFS share: a FUSE passthrough over a folder whose reads
 fail with EIO (or opens with ESTALE) a set number of times per file before they succeed.
 
-Run as a process of its own: ``python -m tests.support.flakyfs SOURCE MOUNTPOINT RULES_JSON``, where the
-rules map a file's relative path (or ``*``) to ``{"errno": "EIO"|"ESTALE", "times": N, "op": "read"|"open"}``.
+Run as a process of its own: ``python -m tests.support.flakyfs SOURCE MOUNTPOINT RULES_JSON [LINK_JSON]``, where
+the rules map a file's relative path (or ``*``) to ``{"errno": "EIO"|"ESTALE", "times": N, "op": "read"|"open"}``
+and the link, ``{"bytes_per_s": R, "open_latency_s": L}``, makes it a slow share as well: every read shares one
+token bucket of R bytes/s (faultproxy's ``Bandwidth``) and every open waits L seconds (a metadata round trip).
 ``FlakyMount`` starts it, waits until the mount is up, and unmounts it afterwards.  Needs libfuse3
 (Debian's fuse3, installed by ``make test``) and mfusepy.
 """
@@ -24,14 +26,18 @@ from typing import Any
 class _Flaky:
     """The FUSE operations: pass through to ``source``, failing as the rules say."""
 
-    def __init__(self, source: str, rules: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, source: str, rules: dict[str, dict[str, Any]], link: dict[str, float] | None = None) -> None:
         import mfusepy
+
+        from .faultproxy import Bandwidth
 
         self.mfusepy = mfusepy
         self.source = source
         self.rules = rules
+        self.bandwidth = Bandwidth((link or {}).get("bytes_per_s"))
+        self.open_latency = float((link or {}).get("open_latency_s") or 0.0)
         self.left: dict[tuple[str, str], int] = {}
-        self.lock = threading.Lock()
+        self._mutex = threading.Lock()  # not "lock": that name is the FUSE lock operation
 
     def _path(self, path: str) -> str:
         return os.path.join(self.source, path.lstrip("/"))
@@ -41,7 +47,7 @@ class _Flaky:
         rule = self.rules.get(rel) or self.rules.get("*")
         if not rule or rule.get("op", "read") != op:
             return
-        with self.lock:
+        with self._mutex:
             left = self.left.setdefault((rel, op), int(rule["times"]))
             if left == 0:
                 return
@@ -60,11 +66,15 @@ class _Flaky:
 
     def open(self, path: str, flags: int) -> int:
         self._maybe_fail(path, "open")
+        if self.open_latency:
+            time.sleep(self.open_latency)
         return os.open(self._path(path), flags)
 
     def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
         self._maybe_fail(path, "read")
-        return os.pread(fh, size, offset)
+        data = os.pread(fh, size, offset)
+        self.bandwidth.take(len(data))
+        return data
 
     def release(self, path: str, fh: int) -> int:
         os.close(fh)
@@ -76,27 +86,30 @@ class _Flaky:
                                             "f_files", "f_flag", "f_frsize", "f_namemax")}
 
 
-def serve(source: str, mountpoint: str, rules: dict[str, dict[str, Any]]) -> None:
+def serve(source: str, mountpoint: str, rules: dict[str, dict[str, Any]], link: dict[str, float] | None = None) -> None:
     import mfusepy
 
-    ops = type("FlakyOps", (_Flaky, mfusepy.Operations), {})(source, rules)
+    ops = type("FlakyOps", (_Flaky, mfusepy.Operations), {})(source, rules, link)
     # direct_io: every read reaches us (no page cache between the reader and the failure); allow_other: the
     # attack tests read it as other users too
     mfusepy.FUSE(ops, mountpoint, foreground=True, nothreads=False, direct_io=True, allow_other=True, ro=True)
 
 
 class FlakyMount:
-    """``with FlakyMount(src, mnt, {"a.bin": {"errno": "EIO", "times": 2}}) as mnt: ...``"""
+    """``with FlakyMount(src, mnt, {"a.bin": {"errno": "EIO", "times": 2}}) as mnt: ...``; a slow share:
+    ``FlakyMount(src, mnt, {}, bytes_per_s=100e6, open_latency_s=0.001)``."""
 
-    def __init__(self, source: Path, mountpoint: Path, rules: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, source: Path, mountpoint: Path, rules: dict[str, dict[str, Any]], *,
+                 bytes_per_s: float | None = None, open_latency_s: float = 0.0) -> None:
         self.source, self.mountpoint, self.rules = source, mountpoint, rules
+        self.link = {"bytes_per_s": bytes_per_s, "open_latency_s": open_latency_s}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Path:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         repo = Path(__file__).resolve().parents[2]
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.flakyfs", str(self.source),
-                                      str(self.mountpoint), json.dumps(self.rules)], cwd=repo,
+                                      str(self.mountpoint), json.dumps(self.rules), json.dumps(self.link)], cwd=repo,
                                      stderr=subprocess.PIPE)
         deadline = time.monotonic() + 20
         while not os.path.ismount(self.mountpoint):
@@ -118,4 +131,4 @@ class FlakyMount:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+    serve(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]) if len(sys.argv) > 4 else None)

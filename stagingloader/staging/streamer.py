@@ -1,0 +1,416 @@
+"""The streaming stager: one process per streaming run (``python -m stagingloader.staging.streamer``).
+
+It is started by ``stage(..., wait=False)``, ``stagingloader stage --no-wait`` and the Slurm prolog (``wait=no``)
+with a JSON request on its stdin, and answers on its stdout with JSON lines: ``{"event": text}`` while it lists
+and waits for the dataset's lock, then one ``{"ready": {...}}`` (or ``{"error": {...}}``) once the stream is
+set up, after which it writes no more there (its stderr goes to ``stream/stager.log``) and copies on alone:
+
+1. under the dataset's lock, plan as any stage does; an up-to-date dataset is answered as done;
+2. write ``stream/files.json`` and ``state.json``, take the run's lease (on the version it will publish), answer;
+3. copy in the order :class:`~.schedule.Schedule` picks (urgent rows, the readers' merged order, listing order),
+   evicting under a cache limit, through the ordinary copier (whole, verified, journaled files only);
+4. when every file is there and no cache limit got in the way: publish the version exactly as ``stage`` does.
+
+It stops (resumable, state left "copying") on SIGTERM or when the run's lease is gone (its holder process ended,
+``stagingloader release``, the Slurm epilog).  If another live stager streams the same dataset it does not wait
+for the lock: it answers ``read_along`` with that run's version and takes a lease beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+from ..cache import leases, trust
+from ..cache.locking import DatasetLock
+from ..cache.manifest import Entry
+from ..errors import InternalError, NoSpaceError, StagingError
+from ..units import human_bytes
+from .copier import Copier, CopySettings
+from .result import StagedDataset
+from .schedule import Schedule
+from .sources import SourceFile
+from .stager import (
+    LockedPlan,
+    StageOptions,
+    StageRun,
+    begin_version,
+    finish,
+    keep_published,
+    open_run,
+    own_folder,
+    plan_locked,
+    publish_version,
+    someone_elses,
+    take_lease,
+)
+from .stream import (
+    COMPLETE,
+    COPYING,
+    FAILED,
+    RequestReader,
+    StreamFiles,
+    StreamState,
+    process_start,
+    read_state,
+    stream_dir,
+)
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.05
+STATE_SECONDS = 0.2
+LEASE_SECONDS = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamRequest:
+    """What the starter asks of a streaming stager."""
+
+    src: str
+    opts: StageOptions
+    holder_pid: int | None = None
+    cache_limit: int | None = None
+
+    def to_json(self) -> str:
+        o = {f.name: getattr(self.opts, f.name) for f in fields(StageOptions)}
+        return json.dumps({"src": self.src, "opts": o, "holder_pid": self.holder_pid, "cache_limit": self.cache_limit})
+
+    @classmethod
+    def from_json(cls, text: str) -> StreamRequest:
+        d = json.loads(text)
+        o = dict(d["opts"])
+        for name in ("include", "exclude"):
+            o[name] = tuple(o.get(name) or ())
+        if o.get("shard") is not None:
+            o["shard"] = tuple(o["shard"])
+        return cls(src=d["src"], opts=StageOptions(**o), holder_pid=d.get("holder_pid"),
+                   cache_limit=d.get("cache_limit"))
+
+
+def stream_stage(req: StreamRequest, *, tell: Callable[[dict[str, Any]], None], stop: threading.Event,
+                 env: dict[str, str] | None = None) -> None:
+    """Run a streaming stage as ``req`` says; ``tell`` answers the starter (events, then ready)."""
+    opts = replace(req.opts, dry_run=False)
+    run, identity = open_run(req.src, opts, env=env, on_event=lambda text: tell({"event": text}),
+                             cache_limit=req.cache_limit, verb="streaming")
+    if someone_elses(run):  # root's site-shared copy: read along its stager, or use it as published
+        tell({"ready": _read_along(run, foreign=True, holder_pid=None) or _published_foreign(run)})
+        return
+    own_folder(run, env)
+    lock = DatasetLock(run.ddir.lock_file, timeout=opts.lock_timeout, on_wait=run.say)
+    along = _lock_or_read_along(run, lock, req)
+    if along is not None:
+        tell({"ready": along})
+        return
+    try:
+        own_folder(run)
+        lp = plan_locked(run, identity)
+        if lp.plan.up_to_date:
+            version, manifest = keep_published(run, lp)
+            ds = finish(run, lp, version, manifest, holder_pid=req.holder_pid)
+            tell({"ready": {"done": True, "dataset_dir": str(run.ddir.path), "version": version,
+                            "lease": ds.lease}})
+            return
+        _StreamRun(run, lp, req, tell=tell, stop=stop).run()
+    finally:
+        lock.release()
+
+
+def _lock_or_read_along(run: StageRun, lock: DatasetLock, req: StreamRequest) -> dict[str, Any] | None:
+    """Take the dataset's lock; or, while another stager holds it and streams this listing, read along with it
+    (its answer).  Waits at most the lock timeout, as ``stage`` does."""
+    deadline = None if req.opts.lock_timeout is None else time.monotonic() + req.opts.lock_timeout
+    said = False
+    while not lock.try_acquire():
+        along = _read_along(run, foreign=False, holder_pid=req.holder_pid)
+        if along is not None:
+            return along
+        if not said:
+            run.say(f"waiting for the lock on {run.ddir.path}: another stager works on it")
+            said = True
+        if deadline is not None and time.monotonic() >= deadline:
+            lock.timeout = 0
+            lock.acquire()  # one last try: it raises the LockTimeoutError that names the holder
+            break
+        time.sleep(POLL_SECONDS)
+    return None
+
+
+def _read_along(run: StageRun, *, foreign: bool, holder_pid: int | None) -> dict[str, Any] | None:
+    """Another stager streams this very listing now: the answer that reads along with it (None if not)."""
+    sdir = stream_dir(run.ddir)
+    state = read_state(sdir)
+    if state is None or state.state != COPYING or not state.alive:
+        return None
+    if foreign and state.cache_limit is not None:  # it could evict what we read, and we cannot tell it our order
+        return None
+    try:
+        files = StreamFiles.load(sdir)
+    except StagingError:
+        return None
+    if files.rels != tuple(sorted(f.rel for f in run.listing)):
+        return None
+    lease = None if foreign else take_lease(run, state.version, holder_pid)
+    run.say(f"reading along the streaming stage of {run.source.url} by process {state.pid}")
+    return {"read_along": True, "dataset_dir": str(run.ddir.path), "version": state.version, "lease": lease,
+            "stream_dir": str(sdir), "cache_limit": state.cache_limit}
+
+
+def _published_foreign(run: StageRun) -> dict[str, Any]:
+    from .stager import run_stage
+
+    ds = run_stage(run.source.url, run.opts)  # the read-only path: checks it is current and intact, or says why
+    if not isinstance(ds, StagedDataset):
+        raise InternalError("a stage that is no dry run returned a plan")
+    return {"done": True, "dataset_dir": str(run.ddir.path), "version": ds.version, "lease": None}
+
+
+class _StreamRun:
+    """One streaming run under the dataset's lock: set up the stream folder, answer, copy, publish."""
+
+    def __init__(self, run: StageRun, lp: LockedPlan, req: StreamRequest, *,
+                 tell: Callable[[dict[str, Any]], None], stop: threading.Event) -> None:
+        self.run_ = run
+        self.lp = lp
+        self.req = req
+        self.tell = tell
+        self.stop = stop
+        self.sdir = stream_dir(run.ddir)
+        self.version = run.ddir.next_version()
+        self.listing = sorted(run.listing, key=lambda f: f.rel)
+        self.row_of = {f.rel: i for i, f in enumerate(self.listing)}
+        self.done_q: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.lock = threading.Lock()  #: the schedule: the feed (copier's dispatcher) and the poller share it
+        self.req_lock = threading.Lock()  #: the request reader, polled by both
+        self._done = threading.Event()
+        self._poll_error: BaseException | None = None
+        self.start_time = process_start(os.getpid())
+        self.lease: str | None = None
+        self.stopped_why = ""
+        self._last_state = 0.0
+        self._last_lease = time.monotonic()
+
+    def run(self) -> None:
+        run, lp = self.run_, self.lp
+        to_copy = begin_version(run, lp)
+        missing = {f.rel for f in to_copy}
+        ready = [i for i, f in enumerate(self.listing) if f.rel not in missing]
+        sizes = [f.size for f in self.listing]
+        limit = self._limit(sum(sizes[i] for i in ready))
+        self.sched = Schedule(sizes, ready=ready, limit=limit)
+        lp.incoming.on_record = self._recorded
+        self.sdir.mkdir(mode=0o755, exist_ok=True)
+        trust.check_folder(self.sdir, what="stream folder")
+        StreamFiles(run.source.url, tuple(f.rel for f in self.listing), tuple(sizes)).write(self.sdir)
+        self.requests = RequestReader(self.sdir, len(self.listing))
+        self._write_state(COPYING, force=True)
+        self.lease = take_lease(run, self.version, self.req.holder_pid)
+        self.tell({"ready": {"streaming": True, "dataset_dir": str(run.ddir.path), "version": self.version,
+                             "lease": self.lease, "stream_dir": str(self.sdir), "pid": os.getpid(),
+                             "cache_limit": limit}})
+        _log_to(self.sdir / "stager.log")
+        settings = CopySettings(workers=run.workers, fsync=lp.incoming.fsync, small_batch_files=1)
+        copier = Copier(run.source, lp.incoming, settings, expected=lp.expected, stop=self.stop)
+        poller = threading.Thread(target=self._poll_loop, name="stagingloader-stream-poll", daemon=True)
+        poller.start()
+        try:
+            copier.run(self._files())
+            self._done.set()
+            poller.join()
+            if self._poll_error is not None:
+                raise self._poll_error
+            with self.lock:
+                self._collect()
+        except BaseException as e:
+            self._done.set()
+            with contextlib.suppress(OSError):
+                lp.incoming.close()
+            self._write_state(FAILED, force=True, error=_one_line(e))
+            raise
+        if self.sched.finished and not self.sched.evicted:
+            self._publish()
+        else:
+            lp.incoming.close()
+            self._write_state(COPYING, force=True, error=f"stopped: {self.stopped_why or 'asked to stop'}")
+            log.info("stopped (%s); the next stage of %s resumes", self.stopped_why, run.source.url)
+
+    def _limit(self, ready_bytes: int) -> int | None:
+        """The cache limit: the one asked for, or, where the dataset does not fit the tier, what the tier holds.
+        One that cannot hold the largest file is refused (NoSpaceError)."""
+        run, plan = self.run_, self.lp.plan
+        room = ready_bytes + (plan.free_bytes or 0)
+        want = self.req.cache_limit
+        if want is None and plan.fits:
+            return None
+        limit = room if want is None or want > room else want
+        total = sum(f.size for f in run.listing)
+        largest = max((f.size for f in run.listing), default=0)
+        if limit < largest:
+            raise NoSpaceError(
+                f"{run.source.url} cannot stream through {human_bytes(limit)} on {run.tier.describe()}: its largest "
+                f"file is {human_bytes(largest)}. Free space (stagingloader gc --keep-bytes N), raise "
+                "--max-ram-fraction for tmpfs, or pick a bigger --root or --cache-limit")
+        if limit < total:
+            run.say(f"{run.source.url} ({human_bytes(total)}) streams through a cache limit of {human_bytes(limit)} "
+                    f"on {run.tier.describe()}: this version is never published complete")
+        return limit
+
+    def _publish(self) -> None:
+        run, lp = self.run_, self.lp
+
+        def last_state() -> None:
+            self._write_state(COMPLETE, force=True)
+
+        manifest = publish_version(run, lp, self.version, before_rename=last_state)
+        finish(run, lp, self.version, manifest, holder_pid=self.req.holder_pid, lease_name=self.lease or "")
+        log.info("published %s of %s", self.version, run.source.url)
+
+    # ---- the feed: what the copier copies next -----------------------------------------------------------
+    def _files(self) -> Iterator[SourceFile]:
+        """What the copier copies next (its dispatcher pulls this when a slot frees)."""
+        sched = self.sched
+        while not self.stop.is_set():
+            self._take_requests()  # the freshest order and urgent rows decide this pick
+            with self.lock:
+                self._collect()
+                if sched.finished:
+                    return
+                pick = sched.next()
+                if pick is not None:
+                    for row in pick.evict:
+                        trust.unlink_under(self.lp.incoming.data, self.listing[row].rel)
+            if pick is None:
+                self.wake.wait(POLL_SECONDS)
+                self.wake.clear()
+                continue
+            yield self.listing[pick.row]
+
+    def _recorded(self, entries: list[Entry]) -> None:  # copier threads
+        self.done_q.put([e.path for e in entries])
+        self.wake.set()
+
+    def _collect(self) -> None:
+        rows: list[int] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                rows.extend(self.row_of[rel] for rel in self.done_q.get_nowait())
+        if rows:
+            self.sched.done(rows)
+
+    def _poll_loop(self) -> None:
+        """The readers' requests, the state file and the lease, every POLL_SECONDS, whatever the copier waits on."""
+        try:
+            while not self._done.wait(POLL_SECONDS):
+                self._poll()
+        except BaseException as e:  # re-raised by run()
+            self._poll_error = e
+            self.stop.set()
+
+    def _take_requests(self) -> bool:
+        """Read the readers' files into the schedule; True if anything changed."""
+        with self.req_lock:
+            orders, urgent, gone = self.requests.poll()
+            positions = dict(self.requests.positions)
+        with self.lock:
+            for reader in gone:
+                self.sched.forget(reader)
+            for reader, rows in orders.items():
+                self.sched.set_order(reader, rows)
+            for reader, consumed in positions.items():
+                self.sched.set_position(reader, consumed)
+            for reader, rows in urgent.items():
+                self.sched.add_urgent(reader, rows)
+        return bool(orders or urgent or gone)
+
+    def _poll(self) -> None:
+        if self._take_requests():
+            self.wake.set()
+        with self.lock:
+            self._collect()
+            self._write_state(COPYING)
+        now = time.monotonic()
+        if now - self._last_lease >= LEASE_SECONDS:
+            self._last_lease = now
+            if self.lease and not any(lease.name == self.lease for lease in leases.live(self.run_.ddir)):
+                self.stopped_why = f"its lease {self.lease} is gone (its holder ended or released it)"
+                log.info("stopping: %s", self.stopped_why)
+                self.stop.set()
+                with self.lock:
+                    self._write_state(COPYING, force=True, error=f"stopping: {self.stopped_why}")
+
+    def _write_state(self, state: str, *, force: bool = False, error: str | None = None) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_state < STATE_SECONDS:
+            return
+        self._last_state = now
+        s = self.sched
+        ready = s.ready
+        StreamState(pid=os.getpid(), start_time=self.start_time, state=state, error=error,
+                    files_done=int(ready.sum()), bytes_done=s.cached_bytes, files_total=len(ready),
+                    bytes_total=int(s.sizes.sum()), version=self.version, cache_limit=s.limit,
+                    evicted_files=s.evicted).write(self.sdir)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e) if isinstance(e, StagingError) else f"{type(e).__name__}: {e}"
+    return " ".join(text.split())[:2000]
+
+
+def _log_to(path: Path) -> None:
+    """From here on the process talks to no one: stderr and logging go to ``path``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
+                        format="%(asctime)s %(process)d %(name)s: %(message)s")
+
+
+def main(stdin: TextIO | None = None) -> int:
+    """The process: read the request, answer on stdout (then nowhere), copy until done, stopped or failed."""
+    req = StreamRequest.from_json((stdin or sys.stdin).read())
+    answer = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    told = False
+
+    def tell(msg: dict[str, Any]) -> None:
+        nonlocal told
+        if told:
+            return
+        told = "ready" in msg or "error" in msg
+        with contextlib.suppress(OSError):
+            answer.write(json.dumps(msg) + "\n")
+            answer.flush()
+            if told:
+                answer.close()
+
+    try:
+        stream_stage(req, tell=tell, stop=stop)
+    except BaseException as e:
+        err = e if isinstance(e, StagingError) else InternalError(_one_line(e))
+        tell({"error": {"type": type(err).__name__, "message": str(err)}})
+        log.error("streaming stage failed: %s", _one_line(e), exc_info=not isinstance(e, StagingError))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Training while it stages, end to end: the real ``stage(wait=False)`` (a detached stager) copying from the S3
+test server behind a rate-limited proxy, read by ``StagedFiles``/``StagedArrays`` through ``sl.DataLoader``.
+
+Nothing here is timed: the rate limit only makes the source slower than the reader, so reads must wait."""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import stagingloader as sl
+from stagingloader.staging import stream
+from tests.conftest import cli_json
+from tests.support.faultproxy import FaultProxy
+from tests.support.s3server import S3Server
+from tests.support.trees import content
+
+BUCKET = "loader-stream"
+FILES = {f"ds/c{i % 3}/{i:03d}.bin": 3000 + 37 * i for i in range(48)}
+ARRAYS = {f"arr/part{k}.npy": np.arange(n * 8, dtype=np.int16).reshape(n, 2, 4) + 100 * k
+          for k, n in enumerate((40, 7, 90))}
+
+
+def _npy(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("AWS_")}
+    os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = "/nonexistent"
+    server = S3Server().start()
+    try:
+        import s3fs
+
+        server.make_bucket(BUCKET)
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options())
+        fs.pipe({f"{BUCKET}/{k}": content(k, n) for k, n in FILES.items()})
+        fs.pipe({f"{BUCKET}/{k}": _npy(a) for k, a in ARRAYS.items()})
+        yield server
+    finally:
+        server.stop()
+        os.environ.pop("AWS_CONFIG_FILE")
+        os.environ.pop("AWS_SHARED_CREDENTIALS_FILE")
+        os.environ.update(saved)
+
+
+def _slow(s3: S3Server, bytes_per_s: float) -> FaultProxy:
+    host, port = s3.endpoint_url.split("//")[1].split(":")
+    return FaultProxy(host, int(port), error_rate=0.0, drop_rate=0.0, bytes_per_s=bytes_per_s)
+
+
+def _stage(s3: S3Server, proxy: FaultProxy, root: Path, prefix: str = "ds", **kw: Any) -> sl.StagedDataset:
+    return sl.stage(f"s3://{BUCKET}/{prefix}", root=str(root), workers=1, wait=False,
+                    storage_options=s3.storage_options(endpoint_url=proxy.endpoint_url), **kw)
+
+
+def _want(rel: str) -> bytes:
+    return content(f"ds/{rel}", FILES[f"ds/{rel}"])
+
+
+def _copy_order(proxy: FaultProxy, rels: list[str]) -> list[str]:
+    out: list[str] = []
+    for method, path in proxy.log:
+        rel = path.split("/ds/", 1)[-1]
+        if method == "GET" and "/ds/" in path and rel in rels and rel not in out:
+            out.append(rel)
+    return out
+
+
+def test_training_reads_every_byte_while_the_stage_streams(s3: S3Server, root: Path) -> None:
+    with _slow(s3, 60_000) as proxy:  # about 50 ms a file: the stager stays behind two reading workers
+        gate = threading.Event()
+        proxy.hold("/ds/", after=0, action=lambda: gate.wait(60))  # nothing is copied before the loader starts
+        ds = _stage(s3, proxy, root)
+        try:
+            assert ds.streaming
+            files = sl.StagedFiles(ds, decode="bytes", labels=False)
+            assert files.streaming and [files.relpath(i) for i in range(len(files))] == list(ds.files)
+            loader = sl.DataLoader(files, batch_size=4, shuffle=True, num_workers=2,
+                                   generator=torch.Generator().manual_seed(5))
+            it = iter(loader)
+            order = np.fromfile(ds.stream_dir / f"order-{stream.reader_id(0)}", dtype="<i8")  # type: ignore[operator]
+            gate.set()
+            first = next(it)
+            assert ds.progress.files_done < len(FILES)  # the first batch came long before the stage ended
+            got = [bytes(b) for b in first] + [bytes(b) for batch in it for b in batch]
+            epoch0 = [files.relpath(int(r)) for r in order[:len(files)]]
+            assert got == [_want(rel) for rel in epoch0]  # every sample whole and right, in the sampler's order
+            e = loader.stats.epochs[-1]
+            assert e.misses > 0 and e.not_staged_s > 0 and "Source-bound" in sl.diagnose(loader)
+            copied = _copy_order(proxy, list(files.relpath(i) for i in range(len(files))))
+            # the stager followed the loader's order (up to three listing-order files were on their way before it
+            # read the order; the workers' urgent rows jump within the head)
+            ranks = [epoch0.index(rel) for rel in copied[3:]]
+            inversions = sum(a > b for k, a in enumerate(ranks) for b in ranks[k + 1:])
+            assert inversions < 0.1 * len(ranks) * (len(ranks) - 1) / 2
+            done = ds.wait(timeout=120)
+            assert sl.verify(done).ok
+            again = [bytes(b) for batch in loader for b in batch]  # the published version, nothing waits
+            assert sorted(again) == sorted(got) and loader.stats.epochs[-1].misses == 0
+            assert not files.refresh()
+            assert not (ds.dataset_dir / ds.version / "stream" / f"order-{stream.reader_id(0)}").exists()
+            loader.close()
+        finally:
+            gate.set()
+            ds.release()
+
+
+def test_resume_mid_epoch_while_the_stage_streams(s3: S3Server, root: Path) -> None:
+    with _slow(s3, 80_000) as proxy:
+        ds = _stage(s3, proxy, root)
+        try:
+            files = sl.StagedFiles(ds, decode="bytes", labels=False)
+
+            def make() -> sl.DataLoader:
+                return sl.DataLoader(files, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(9))
+
+            first = make()
+            it = iter(first)
+            head = [bytes(b) for _ in range(3) for b in next(it)]
+            state = first.state_dict()
+            first.close()
+            resumed = make()
+            resumed.load_state_dict(state)
+            it2 = iter(resumed)
+            order = np.fromfile(ds.stream_dir / f"order-{stream.reader_id(0)}", dtype="<i8")  # type: ignore[operator]
+            rest = [bytes(b) for batch in it2 for b in batch]
+            assert len(order) == len(rest) + len(files)  # what is left of this epoch, then all of the next
+            assert rest == [_want(files.relpath(int(r))) for r in order[:len(rest)]]
+            assert sorted(head + rest) == sorted(_want(files.relpath(i)) for i in range(len(files)))
+            resumed.close()
+        finally:
+            ds.release()
+
+
+def test_staged_arrays_over_a_real_stream(s3: S3Server, root: Path) -> None:
+    whole = np.concatenate(list(ARRAYS.values()))
+    with _slow(s3, 100_000) as proxy:
+        ds = _stage(s3, proxy, root, prefix="arr")
+        try:
+            arrays = sl.StagedArrays(ds)
+            assert arrays.streaming and len(arrays) == len(whole)
+            loader = sl.DataLoader(arrays, batch_size=16, shuffle=True, num_workers=2,
+                                   generator=torch.Generator().manual_seed(1))
+            seen = torch.cat([b for b in loader]).numpy()
+            assert sorted(map(bytes, seen)) == sorted(map(bytes, whole))  # every row, each once, whole
+            ds.wait(timeout=120)
+            table = arrays.file_table()
+            for k, path in enumerate(sorted(ARRAYS)):
+                real = np.load(ds.dataset_dir / ds.version / "data" / path.split("/", 1)[1], mmap_mode="r")
+                assert int(table.offset[int(np.flatnonzero(table.file == k)[0])]) == real.offset
+            loader.close()
+        finally:
+            ds.release()
+
+
+def test_the_folder_printed_by_no_wait_is_read_while_it_streams(s3: S3Server, root: Path) -> None:
+    with _slow(s3, 60_000) as proxy:
+        creds = ["--endpoint-url", proxy.endpoint_url, "-o", f"key={s3.access_key}", "-o",
+                 f"secret={s3.secret_key}", "-o", "client_kwargs={\"region_name\": \"us-east-1\"}"]
+        out = cli_json("stage", f"s3://{BUCKET}/ds", "--root", str(root), "--no-wait", "--workers", "1", *creds)
+        files = sl.StagedFiles(out["dataset_dir"], decode="bytes")  # a job script given only the folder
+        assert files.streaming and files.classes == ["c0", "c1", "c2"]
+        data, label = files[len(files) - 1]
+        assert data == _want(files.relpath(len(files) - 1)) and label == 2
+        stream.find_state(Path(out["dataset_dir"]), out["version"])
+        for i in range(len(files)):
+            assert files[i][0] == _want(files.relpath(i))

@@ -1,0 +1,84 @@
+"""The streaming stager's plan (pure): urgent first, the readers' merged order, Belady eviction under a limit."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stagingloader.staging.schedule import Schedule
+
+
+def _drain(s: Schedule, limit: int = 1000) -> list[int]:
+    """Copy everything the schedule offers, at once."""
+    out = []
+    for _ in range(limit):
+        pick = s.next()
+        if pick is None:
+            break
+        out.append(pick.row)
+        s.done([pick.row])
+    return out
+
+
+def test_listing_order_until_a_reader_publishes_one() -> None:
+    s = Schedule([1] * 6)
+    assert [s.next().row for _ in range(2)] == [0, 1]  # type: ignore[union-attr]
+    s.set_order("r0-1", np.array([5, 3, 0], dtype=np.int64))
+    s.done([0, 1])
+    assert _drain(s) == [5, 3, 2, 4]  # the order first, then what no reader asked for
+    assert s.finished
+
+
+def test_urgent_rows_jump_the_queue() -> None:
+    s = Schedule([1] * 10)
+    s.set_order("r0-1", np.arange(10, dtype=np.int64))
+    assert s.next().row == 0  # type: ignore[union-attr]
+    s.add_urgent("r0-1", np.array([7], dtype=np.int64))
+    pick = s.next()
+    assert pick is not None and pick.row == 7 and pick.urgent
+    assert s.next().row == 1  # type: ignore[union-attr]  # then the order goes on where it was
+
+
+def test_two_readers_interleave() -> None:
+    s = Schedule([1] * 6)
+    s.set_order("r0-1", np.array([0, 1, 2], dtype=np.int64))
+    s.set_order("r1-1", np.array([5, 4, 3], dtype=np.int64))
+    assert _drain(s) == [0, 5, 1, 4, 2, 3]
+
+
+def test_cache_limit_evicts_the_row_used_furthest_ahead() -> None:
+    s = Schedule([10] * 8, limit=40, min_window=2)
+    # this epoch reads 0..5, the next epoch 5, 4, ... (rows read late this epoch come back first)
+    s.set_order("r0-1", np.array([0, 1, 2, 3, 4, 5, 5, 4, 3, 2, 1, 0], dtype=np.int64))
+    assert _drain(s) == [0, 1, 2, 3]  # then full, and every cached row is needed soon
+    s.set_position("r0-1", 2)  # rows 0 and 1 are read; their next use is far away
+    pick = s.next()
+    assert pick is not None and pick.row == 4 and pick.evict == (0,)  # row 0's next use is the furthest
+    s.done([4])
+    pick = s.next()
+    assert pick is not None and pick.row == 5 and pick.evict == (1,)
+    assert s.evicted == 2 and s.cached_bytes + s.inflight_bytes <= 40
+
+
+def test_cache_limit_never_evicts_a_window_row_and_waits() -> None:
+    s = Schedule([10] * 20, limit=30, min_window=4)
+    s.set_order("r0-1", np.arange(20, dtype=np.int64))
+    assert _drain(s) == [0, 1, 2]
+    assert s.next() is None  # all cached rows are in the reader's window: nothing may go, row 3 waits
+    s.set_position("r0-1", 3)  # rows 0..2 are read and never come back
+    assert s.next() is not None
+
+
+def test_rows_read_by_no_one_are_not_copied_under_a_limit() -> None:
+    s = Schedule([10] * 6, limit=100)
+    s.set_order("r0-1", np.array([4, 2], dtype=np.int64))
+    assert _drain(s) == [4, 2]
+    assert not s.finished
+
+
+def test_the_window_grows_with_the_read_rate() -> None:
+    s = Schedule([1] * 1000, limit=1000, min_window=4, clock=0.0)
+    s.set_order("r0-1", np.arange(1000, dtype=np.int64))
+    assert s.window == 4
+    for t in range(1, 41):  # 50 rows a second for four seconds
+        s.set_position("r0-1", 5 * t, clock=t / 10)
+    assert 80 <= s.window <= 120  # about two seconds of reading
