@@ -115,6 +115,7 @@ class OrderPublisher:
             return None
         orders = epoch_orders(index_iter, between, batch_sampler)
         if orders is None:
+            self.close()  # an order told for an earlier epoch is not this one's
             if not self._said:
                 self._said = True
                 log.info("%s: the streaming stager is not told this loader's order (%s gives none ahead); reads "
@@ -129,6 +130,7 @@ class OrderPublisher:
             stream.write_order(reader.sdir, reader.reader, rows)
             stream.write_position(reader.sdir, reader.reader, 0)
         except FileNotFoundError:  # the stream folder went with incoming: published
+            self.close()
             return None
         except PermissionError:  # another user's shared copy: its stager follows its own order
             if not self._said:

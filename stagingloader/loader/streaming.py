@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -114,9 +115,7 @@ class StreamReader:
     def is_published(self) -> bool:
         """Has the run been published (looked up once in ``state.json`` until it has)?"""
         if self.published is None:
-            state = self._state()
-            if state is not None and state.state == stream.COMPLETE and state.version:
-                self._publish(state.version)
+            self._published_by(self._state())
         return self.published is not None
 
     def wait_published(self) -> bytes:
@@ -125,8 +124,7 @@ class StreamReader:
         sleep = WAIT_MIN_S
         while self.published is None:
             state = self._state()
-            if state is not None and state.state == stream.COMPLETE and state.version:
-                self._publish(state.version)
+            if self._published_by(state):
                 break
             self._check(state, t0)
             time.sleep(sleep)
@@ -149,12 +147,11 @@ class StreamReader:
             state = self._state()
             if state is not None and state.version:
                 self.version = state.version
-            if state is not None and state.state == stream.COMPLETE and state.version:
-                if self.published is None:
-                    self._publish(state.version)
-                    continue  # look in the version now: moved, not missing (no wait, nothing to ask)
+            if self.published is None and self._published_by(state):
+                continue  # look in the version now: moved, not missing (no wait, nothing to ask)
+            if self.published is not None:
                 raise StagerFailedError(
-                    f"{self.name}: {os.fsdecode(rel)} is missing from the published version {state.version} of "
+                    f"{self.name}: {os.fsdecode(rel)} is missing from the published version {self.version} of "
                     f"{self.ddir}; stage the dataset again (stagingloader stage SRC) to repair it")
             if not asked:
                 asked = True
@@ -193,10 +190,21 @@ class StreamReader:
     def _state(self) -> stream.StreamState | None:
         return stream.find_state(self.ddir, self.version)
 
-    def _publish(self, version: str) -> None:
-        self.version = version
-        self.published = os.fsencode(self.ddir / version / "data") + b"/"
-        log.debug("%s: the streaming stage is published as %s; reading there", self.name, version)
+    def _published_by(self, state: stream.StreamState | None) -> bool:
+        """Take the published version when ``state`` says complete and the version's folder is there (the stager
+        writes the final state just before it renames ``incoming``: until then, reads stay in ``incoming``)."""
+        if state is None or state.state != stream.COMPLETE or not state.version:
+            return False
+        data = self.ddir / state.version / "data"
+        try:
+            if not stat.S_ISDIR(os.lstat(data).st_mode):
+                return False
+        except OSError:
+            return False
+        self.version = state.version
+        self.published = os.fsencode(data) + b"/"
+        log.debug("%s: the streaming stage is published as %s; reading there", self.name, state.version)
+        return True
 
     def _check(self, state: stream.StreamState | None, t0: float) -> None:
         """Raise where waiting cannot end: the stager failed or is gone, or never started."""
@@ -206,6 +214,10 @@ class StreamReader:
                                         f"for {NO_STATE_S:.0f}s); stage the dataset again (stagingloader stage SRC "
                                         "--no-wait, or sl.stage(..., wait=False)) to resume it")
             return
+        if state.state == stream.COMPLETE and time.monotonic() - t0 > NO_STATE_S:
+            raise StagerFailedError(f"{self.name}: its streaming stager reported complete, but {self.ddir} holds no "
+                                    f"folder {state.version} after {NO_STATE_S:.0f}s; stage the dataset again "
+                                    "(stagingloader stage SRC) to publish it")
         problem = state.problem(self.name)
         if problem is not None:
             raise StagerFailedError(problem)

@@ -30,6 +30,7 @@ MIN_WINDOW = 8
 WINDOW_SECONDS = 2.0
 SCAN = 4096
 RATE_SECONDS = 1.0  #: the time constant of the measured rates
+PIN_SECONDS = 10.0  #: how long a row copied for an urgent request stays, unless its reader's position passes it
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class Schedule:
         self.inflight_bytes = 0
         self.evicted = 0
         self.urgent: deque[int] = deque()
+        self._asked: dict[int, str] = {}  #: urgent rows not copied yet, and who asked
+        self.pinned: dict[int, tuple[float, str, int]] = {}  #: rows copied for an urgent request: (when, who, where)
         self.orders: dict[str, Rows] = {}
         self.pos: dict[str, int] = {}
         self.merged: Rows = np.empty(0, dtype=np.int64)
@@ -108,14 +111,22 @@ class Schedule:
 
     def add_urgent(self, reader: str, rows: Rows) -> None:
         """A reader is blocked on ``rows``: copy them next.  (Its position is not inferred from them: a loader's
-        workers read ahead of what training consumes, so only its ``pos-`` file says where it is.)"""
-        self.urgent.extend(int(row) for row in rows.tolist())
+        workers read ahead of what training consumes, so only its ``pos-`` file says where it is.)  Once copied,
+        such a row is pinned (never evicted) until that reader's position passes it or PIN_SECONDS have gone: the
+        reader asked once and is about to open it."""
+        for row in rows.tolist():
+            self.urgent.append(int(row))
+            self._asked[int(row)] = reader
 
     # ---- what the copier says ------------------------------------------------------------------------------
     def done(self, rows: Iterable[int], clock: float | None = None) -> None:
         """``rows`` are copied, whole and verified."""
         count = 0
+        now = time.monotonic() if clock is None else clock
         for row in rows:
+            asker = self._asked.pop(row, None)
+            if asker is not None:
+                self.pinned[row] = (now, asker, self._place(asker, row))
             if self.inflight[row]:
                 self.inflight[row] = False
                 self.inflight_bytes -= int(self.sizes[row])
@@ -123,7 +134,24 @@ class Schedule:
                 self.ready[row] = True
                 self.cached_bytes += int(self.sizes[row])
             count += 1
-        self.copy_rate.add(count, time.monotonic() if clock is None else clock)
+        self.copy_rate.add(count, now)
+
+    def _place(self, reader: str, row: int) -> int:
+        """Where ``row`` comes next in the order its asker reads (a worker's rows are in its main process's order:
+        any reader's), from its position; a large number if nowhere."""
+        for name, order in ([(reader, self.orders[reader])] if reader in self.orders else []) + sorted(
+                self.orders.items()):
+            at = self.pos.get(name, 0)
+            hits = np.flatnonzero(order[at:at + 1_000_000] == row)
+            if len(hits):
+                return at + int(hits[0])
+        return NEVER
+
+    def _unpin(self, now: float) -> None:
+        for row, (when, _, place) in list(self.pinned.items()):
+            passed = place != NEVER and all(p > place for p in self.pos.values()) and self.pos
+            if now - when > PIN_SECONDS or passed or not self.ready[row]:
+                del self.pinned[row]
 
     @property
     def finished(self) -> bool:
@@ -203,7 +231,7 @@ class Schedule:
         """Rows to evict so that ``row`` fits, each used later than ``beat`` (-1: any evictable row); None if the
         cache cannot make room on those terms (then ``row`` waits).  The readers' windows are kept, but never more
         than half the cache; an urgent row (``beat`` -1) that still does not fit may take a window row, furthest
-        first, rather than wait for ever."""
+        first, rather than wait for ever.  A pinned row (copied for an urgent request, not read yet) never goes."""
         if self.limit is None:
             return ()
         need = self.cached_bytes + self.inflight_bytes + int(self.sizes[row]) - self.limit
@@ -211,9 +239,13 @@ class Schedule:
             return ()
         mean = max(1.0, float(self.sizes.mean())) if len(self.sizes) else 1.0
         protect = min(self.window * max(1, len(self.orders)), int(self.limit / (2 * mean)))
+        self._unpin(time.monotonic())
+        free = self.ready.copy()
+        if self.pinned:
+            free[np.fromiter(self.pinned, dtype=np.int64)] = False
         victims = None
         for keep in (protect, 0) if beat < 0 else (protect,):
-            candidates = np.flatnonzero(self.ready & (self.rank >= keep) & (self.rank > beat))
+            candidates = np.flatnonzero(free & (self.rank >= keep) & (self.rank > beat))
             victims = self._furthest(candidates, need) if len(candidates) else None
             if victims is not None:
                 break

@@ -11,9 +11,10 @@ set up, after which it writes no more there (its stderr goes to ``stream/stager.
    evicting under a cache limit, through the ordinary copier (whole, verified, journaled files only);
 4. when every file is there and no cache limit got in the way: publish the version exactly as ``stage`` does.
 
-It stops (resumable, state left "copying") on SIGTERM or when the run's lease is gone (its holder process ended,
-``stagingloader release``, the Slurm epilog).  If another live stager streams the same dataset it does not wait
-for the lock: it answers ``read_along`` with that run's version and takes a lease beside it.
+It stops (resumable, state left "copying") on SIGTERM or when no lease holds its version any more: its own (its
+holder process ended, ``stagingloader release``, the Slurm epilog) and those of the runs reading along.  If
+another live stager streams the same dataset it does not wait for the lock: it answers ``read_along`` with that
+run's version and takes a lease beside it.
 """
 
 from __future__ import annotations
@@ -275,7 +276,7 @@ class _StreamRun:
             self._write_state(COMPLETE, force=True)
 
         manifest = publish_version(run, lp, self.version, before_rename=last_state)
-        finish(run, lp, self.version, manifest, holder_pid=self.req.holder_pid, lease_name=self.lease or "")
+        finish(run, lp, self.version, manifest, holder_pid=self.req.holder_pid, lease_name=self.lease)
         log.info("published %s of %s", self.version, run.source.url)
 
     # ---- the feed: what the copier copies next -----------------------------------------------------------
@@ -344,8 +345,10 @@ class _StreamRun:
         now = time.monotonic()
         if now - self._last_lease >= LEASE_SECONDS:
             self._last_lease = now
-            if self.lease and not any(lease.name == self.lease for lease in leases.live(self.run_.ddir)):
-                self.stopped_why = f"its lease {self.lease} is gone (its holder ended or released it)"
+            held = [lease for lease in leases.live(self.run_.ddir) if lease.version == self.version]
+            if self.lease and not held:  # its own lease, and those of every run reading along
+                self.stopped_why = (f"its lease {self.lease} is gone (its holder ended or released it) and no other "
+                                    f"run reads along")
                 log.info("stopping: %s", self.stopped_why)
                 self.stop.set()
                 with self.lock:

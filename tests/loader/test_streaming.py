@@ -58,7 +58,7 @@ def test_a_miss_jumps_the_queue(src: Path, tmp_path: Path) -> None:
     with SimStager(src, tmp_path / "ds", gate=gate) as sim:
         ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
         last = len(ds) - 1
-        reader = threading.Thread(target=lambda: got.append(ds[last]))
+        reader = threading.Thread(daemon=True, target=lambda: got.append(ds[last]))
         got: list[bytes] = []
         reader.start()
         urgent = sim.sdir / f"urgent-{stream.reader_id(0)}"
@@ -81,7 +81,7 @@ def test_an_evicted_file_is_asked_for_again(src: Path, tmp_path: Path) -> None:
         assert ds[5] == _expected(src)[5]
         sim.evict(5)  # as under a cache limit
         done = threading.Event()
-        t = threading.Thread(target=lambda: (ds[5], done.set()))
+        t = threading.Thread(daemon=True, target=lambda: (ds[5], done.set()))
         t.start()
         urgent = sim.sdir / f"urgent-{stream.reader_id(0)}"
         while not urgent.exists():
@@ -116,6 +116,18 @@ def test_reads_go_to_the_published_version_after_completion(src: Path, tmp_path:
     assert not ds.streaming and ds.stream is None  # switched at the first miss in incoming/
     assert str(ds.root) == str(tmp_path / "ds" / "v1" / "data")
     assert unread.streaming and not unread.refresh() and unread[2] == _expected(src)[2]  # one look at the state
+
+
+def test_complete_before_the_rename_keeps_reading_incoming(src: Path, tmp_path: Path) -> None:
+    with SimStager(src, tmp_path / "ds", gate=threading.Event()) as sim:  # the gate stays shut: we copy
+        ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
+        for row in range(len(ds)):
+            sim._copy(row)
+        sim.write_state(stream.COMPLETE)  # the stager's last state comes just before it renames incoming
+        # complete, but no v1/ yet: a reader that switched now would find nothing; it stays in incoming
+        assert ds.refresh() and ds[3] == _expected(src)[3] and ds.streaming
+        os.rename(tmp_path / "ds" / "incoming", tmp_path / "ds" / "v1")
+        assert ds[4] == _expected(src)[4] and not ds.streaming  # renamed: found in v1, and read there from now on
 
 
 def test_prefix_and_include_keep_the_stream_rows(src: Path, tmp_path: Path) -> None:
@@ -293,7 +305,7 @@ def test_auto_backend_takes_torch_while_streaming(src: Path, tmp_path: Path) -> 
         table = ds.file_table()  # what the GDS reader opens files through
         assert table.ready is not None
         ready = table.ready
-        t = threading.Thread(target=lambda: got.append(ready(7)))
+        t = threading.Thread(daemon=True, target=lambda: got.append(ready(7)))
         got: list[str] = []
         t.start()
         while not (sim.sdir / f"urgent-{stream.reader_id(0)}").exists():

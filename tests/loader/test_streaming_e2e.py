@@ -80,8 +80,9 @@ def _copy_order(proxy: FaultProxy, rels: list[str]) -> list[str]:
 
 def test_training_reads_every_byte_while_the_stage_streams(s3: S3Server, root: Path) -> None:
     with _slow(s3, 60_000) as proxy:  # about 50 ms a file: the stager stays behind two reading workers
-        gate = threading.Event()
+        gate, rest = threading.Event(), threading.Event()
         proxy.hold("/ds/", after=0, action=lambda: gate.wait(60))  # nothing is copied before the loader starts
+        proxy.hold("/ds/", after=20, action=lambda: rest.wait(60))  # nor more than 20 files before its first batch
         ds = _stage(s3, proxy, root)
         try:
             assert ds.streaming
@@ -93,7 +94,8 @@ def test_training_reads_every_byte_while_the_stage_streams(s3: S3Server, root: P
             order = np.fromfile(ds.stream_dir / f"order-{stream.reader_id(0)}", dtype="<i8")  # type: ignore[operator]
             gate.set()
             first = next(it)
-            assert ds.progress.files_done < len(FILES)  # the first batch came long before the stage ended
+            assert ds.progress.files_done <= 20 < len(FILES)  # the first batch came before the stage ended
+            rest.set()
             got = [bytes(b) for b in first] + [bytes(b) for batch in it for b in batch]
             epoch0 = [files.relpath(int(r)) for r in order[:len(files)]]
             assert got == [_want(rel) for rel in epoch0]  # every sample whole and right, in the sampler's order
@@ -114,11 +116,14 @@ def test_training_reads_every_byte_while_the_stage_streams(s3: S3Server, root: P
             loader.close()
         finally:
             gate.set()
+            rest.set()
             ds.release()
 
 
 def test_resume_mid_epoch_while_the_stage_streams(s3: S3Server, root: Path) -> None:
     with _slow(s3, 80_000) as proxy:
+        gate = threading.Event()
+        proxy.hold("/ds/", after=24, action=lambda: gate.wait(60))  # the stage cannot end before the resume
         ds = _stage(s3, proxy, root)
         try:
             files = sl.StagedFiles(ds, decode="bytes", labels=False)
@@ -135,12 +140,14 @@ def test_resume_mid_epoch_while_the_stage_streams(s3: S3Server, root: Path) -> N
             resumed.load_state_dict(state)
             it2 = iter(resumed)
             order = np.fromfile(ds.stream_dir / f"order-{stream.reader_id(0)}", dtype="<i8")  # type: ignore[operator]
+            gate.set()
             rest = [bytes(b) for batch in it2 for b in batch]
             assert len(order) == len(rest) + len(files)  # what is left of this epoch, then all of the next
             assert rest == [_want(files.relpath(int(r))) for r in order[:len(rest)]]
             assert sorted(head + rest) == sorted(_want(files.relpath(i)) for i in range(len(files)))
             resumed.close()
         finally:
+            gate.set()
             ds.release()
 
 

@@ -82,3 +82,21 @@ def test_the_window_grows_with_the_read_rate() -> None:
     for t in range(1, 41):  # 50 rows a second for four seconds
         s.set_position("r0-1", 5 * t, clock=t / 10)
     assert 80 <= s.window <= 120  # about two seconds of reading
+
+
+def test_a_row_copied_for_a_reader_stays_until_it_is_read() -> None:
+    s = Schedule([10] * 20, limit=30, min_window=1)
+    s.set_order("r0-1", np.arange(20, dtype=np.int64))
+    assert _drain(s) == [0, 1, 2]
+    s.add_urgent("r0-9", np.array([15], dtype=np.int64))  # a worker reads ahead of its main process (pos 0)
+    pick = s.next()
+    assert pick is not None and pick.row == 15 and pick.evict == (2,)
+    s.done([15])
+    s.add_urgent("r0-9", np.array([17], dtype=np.int64))
+    pick = s.next()
+    assert pick is not None and pick.row == 17 and 15 not in pick.evict  # 15 is asked for and not read yet
+    s.done([17])
+    assert s.next() is None  # row 2 may not push out 15 or 17 (both pinned) nor row 0 (the window)
+    s.set_position("r0-1", 16)  # read past 15 (and 0): they may go now, 17 still waits for its reader
+    pick = s.next()
+    assert pick is not None and pick.row == 16 and set(pick.evict) <= {0, 15} and 17 in s.pinned

@@ -205,8 +205,9 @@ def test_killed_stagers_resume_and_no_reader_sees_a_wrong_byte(s3: S3Server, roo
             assert out["streaming"] and out["pid"]
             ddir = Path(out["dataset_dir"])
             sdir = Path(out["stream_dir"])
+            assert _state(sdir).files_done >= seen  # the killed run's files are kept, not copied again
             rels = stream.StreamFiles.load(sdir).rels
-            target = rng.randrange(seen + 1, len(rels) - 5)
+            target = seen + 1 + rng.randrange(max(1, (len(rels) - seen) // 3))  # a random point, never the end
             _until(lambda s=sdir, t=target: _files_done(s) >= t, "the stager to copy a few files")
             os.kill(out["pid"], signal.SIGKILL)
             _until(lambda s=sdir: not _state(s).alive, "the stager to die")
@@ -221,7 +222,6 @@ def test_killed_stagers_resume_and_no_reader_sees_a_wrong_byte(s3: S3Server, roo
                     ready += 1
             assert ready >= target
             seen = ready
-            sl.stage(src, root=str(root), lease=f"kill-{attempt}", storage_options=opts, dry_run=True)
         done = sl.stage(src, root=str(root), storage_options=opts, lease="final")
     assert done.report is not None and done.report.copied_files < len(FILES)  # only what was missing
     for rel in done.files:
@@ -343,3 +343,21 @@ def test_the_stager_of_a_python_process_that_dies_stops(s3: S3Server, root: Path
         finally:
             gate.set()
         _until(lambda: not _state(sdir).alive, "the stager to end")
+
+
+def test_a_file_that_fails_its_source_manifest_fails_the_stream_and_never_appears(src: Path, root: Path) -> None:
+    sl.write_manifest(str(src))
+    bad = src / "cat" / "007.bin"
+    data = bytearray(bad.read_bytes())
+    data[0] ^= 0xFF  # the same size: only the digest tells
+    bad.write_bytes(bytes(data))
+    ds = sl.stage(str(src), root=str(root), wait=False, workers=1)
+    try:
+        with pytest.raises(sl.StagerFailedError, match=r"cat/007\.bin.*does not match the source manifest"):
+            ds.wait(timeout=60)
+        state = stream.find_state(ds.dataset_dir, ds.version)
+        assert state is not None and state.state == "failed" and "007.bin" in (state.error or "")
+        assert stream.resolve(ds.dataset_dir, "cat/007.bin", ds.version) is None  # never visible
+        assert DatasetDir(ds.dataset_dir).current() is None
+    finally:
+        ds.release()

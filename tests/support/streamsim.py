@@ -80,6 +80,8 @@ class SimStager:
                     while not self.gate.wait(0.05):
                         if self._stop.is_set():
                             return
+                    if self._stop.is_set():
+                        return
                     self.gate.clear()
                 orders, urgent, _gone = requests.poll()
                 self.orders.update(orders)
