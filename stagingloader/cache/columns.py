@@ -209,12 +209,16 @@ def digest_raw(digest: str) -> bytes:
 
 
 class DigestColumn(Sequence[str]):
-    """xxh3-128 digests as an ``(n, 16)`` uint8 array; row ``i`` reads as ``xxh3_128:<hex>``."""
+    """xxh3-128 digests as an ``(n, 16)`` uint8 array; row ``i`` reads as ``xxh3_128:<hex>``.
 
-    __slots__ = ("array",)
+    ``known``, when given, marks the rows whose digest is known: the others read as ``""`` (a streaming
+    dataset's files before they are copied)."""
 
-    def __init__(self, arr: npt.NDArray[np.uint8]) -> None:
+    __slots__ = ("array", "known")
+
+    def __init__(self, arr: npt.NDArray[np.uint8], known: npt.NDArray[np.bool_] | None = None) -> None:
         self.array = arr
+        self.known = known
 
     @classmethod
     def zeros(cls, n: int) -> DigestColumn:
@@ -223,6 +227,11 @@ class DigestColumn(Sequence[str]):
     @classmethod
     def from_strs(cls, values: Iterable[str]) -> DigestColumn:
         items = values if isinstance(values, (list, tuple)) else list(values)
+        if "" in items:  # digests not known yet: zero rows, marked unknown
+            known = np.array([v != "" for v in items], dtype=bool)
+            col = cls.from_strs([v or dg.PREFIX + "0" * 32 for v in items])
+            col.known = known
+            return col
         width = len(dg.PREFIX) + 2 * DIGEST_BYTES
         text = "".join(items)
         if len(text) != width * len(items) or not text.isascii():
@@ -246,12 +255,24 @@ class DigestColumn(Sequence[str]):
     def __getitem__(self, i: int | slice) -> str | list[str]:
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
+        if self.known is not None and not self.known[i]:
+            return ""
         return dg.PREFIX + bytes(self.array[i].tobytes()).hex()
 
     def __setitem__(self, i: int, value: str) -> None:
-        self.array[i] = np.frombuffer(digest_raw(value), dtype=np.uint8)
+        if value == "" and self.known is None:
+            self.known = np.ones(len(self), dtype=bool)
+        if self.known is not None:
+            self.known[i] = value != ""
+        self.array[i] = np.frombuffer(digest_raw(value or dg.PREFIX + "0" * 32), dtype=np.uint8)
+
+    def all_known(self) -> bool:
+        return self.known is None or bool(self.known.all())
 
     def __iter__(self) -> Iterator[str]:
+        if not self.all_known():
+            yield from (self[i] for i in range(len(self)))
+            return
         p = dg.PREFIX
         for start in range(0, len(self), CHUNK_ROWS):
             raw = self.array[start:start + CHUNK_ROWS].tobytes()
@@ -260,6 +281,9 @@ class DigestColumn(Sequence[str]):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, DigestColumn):
+            if self.all_known() != other.all_known() or (self.known is not None and other.known is not None
+                                                         and not np.array_equal(self.known, other.known)):
+                return False
             return bool(np.array_equal(self.array, other.array))
         if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
             return len(self) == len(other) and all(a == b for a, b in zip(self, other))

@@ -189,6 +189,9 @@ class Manifest:
     # ---- version 2: a JSON header line, then binary columns --------------------------------------
     def _v2_parts(self) -> list[bytes | memoryview]:
         """Version 2 as the header line and then views of the columns (no copy of a column is made)."""
+        if not self.digest.all_known():
+            raise ManifestError(f"the manifest of {self.source} has files whose digest is not known yet: it cannot be "
+                                "written until every file is staged")
         def le(a: Int64Array) -> memoryview:
             return np.ascontiguousarray(a, dtype="<i8").data.cast("B")
 

@@ -24,12 +24,13 @@ MAX_WORKERS = 8
 
 
 def default_workers() -> int:
-    """Processes for a scan: the cores this process may use, at most :data:`MAX_WORKERS`."""
+    """Processes for a scan: the cores this process may use, at most :data:`MAX_WORKERS`; one on a machine of
+    two cores or fewer, where a forked scan measured slower than one process (docs/benchmarks.md)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(1, min(MAX_WORKERS, cores))
+    return 1 if cores <= 2 else min(MAX_WORKERS, cores)
 
 
 def _runs(names: list[bytes], workers: int) -> list[frozenset[bytes]]:
