@@ -62,3 +62,19 @@ def test_digest_column_round_trips_and_refuses_other_algorithms() -> None:
         except ValueError:
             continue
         raise AssertionError(f"{bad} was accepted")
+
+
+def test_digests_not_known_yet_read_as_empty_and_block_a_save(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A streaming dataset's placeholder manifest has no digests yet: they read as "", and it is never written."""
+    import pytest
+
+    from stagingloader.cache.manifest import Manifest
+    from stagingloader.errors import ManifestError
+
+    m = Manifest("s", ["a", "b"], [1, 2], [0, 0], ["", ""], ["", "xxh3_128:" + "1" * 32])
+    assert list(m.digest) == ["", "xxh3_128:" + "1" * 32] and m.get("a").digest == ""  # type: ignore[union-attr]
+    with pytest.raises(ManifestError, match="not known yet"):
+        m.save(tmp_path / "m.json")
+    m.digest[0] = "xxh3_128:" + "2" * 32
+    m.save(tmp_path / "m.json")
+    assert Manifest.load(tmp_path / "m.json").digest == m.digest
