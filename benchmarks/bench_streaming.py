@@ -9,6 +9,7 @@ Sources (a rate ``--rate`` bytes/s well below the tier's; the data is made once 
 
 * ``local``: a folder read through a FUSE passthrough (tests/support/flakyfs.py) whose reads share one token
   bucket of ``--rate`` bytes/s and whose opens wait ``--open-latency`` s: a slow NFS share;
+* ``folder``: the raw folder itself (ext4, no limit): what listing and the first batch cost without the share;
 * ``s3``: the tests' S3 server (SeaweedFS, tests/support/s3server.py), the objects uploaded straight to it,
   read through tests/support/faultproxy.py with ``Bandwidth(--rate)`` and no faults.
 
@@ -135,6 +136,7 @@ def main() -> None:
     ap.add_argument("--sources", default="local,s3")
     ap.add_argument("--kinds", default="stream,full")
     ap.add_argument("--first-only", action="store_true", help="time to first batch only (5 batches, no step)")
+    ap.add_argument("--max-batches", type=int, default=0, help="stop each run after this many batches (0: epoch 1)")
     ap.add_argument("--step", type=float, default=0.05, help="simulated compute per batch, seconds")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2)
@@ -157,14 +159,19 @@ def main() -> None:
     raw = make_files(work / f"raw-{tag}", a.files, a.size)
     say(f"data: {a.files} files x {a.size} B = {a.files * a.size / 1e9:.2f} GB in {raw} "
         f"({time.perf_counter() - t0:.0f} s); source rate {a.rate / 1e6:.0f} MB/s")
-    max_batches = 5 if a.first_only else 0
+    max_batches = 5 if a.first_only else a.max_batches
     copy_s = a.files * a.size / a.rate
     compute_s = (a.files // a.batch) * a.step
     results: list[dict[str, Any]] = []
     for source in a.sources.split(","):
-        ctx = (local_source(raw, work / "mnt", rate=a.rate, latency=a.open_latency) if source == "local"
-               else s3_source(raw, f"ds-{tag}", rate=a.rate, say=say,
-                              upload=bool({"stream", "full"} & set(a.kinds.split(",")))))
+        ctx: contextlib.AbstractContextManager[tuple[str, dict[str, Any] | None]]
+        if source == "folder":  # the raw folder itself, no rate limit: what listing costs without the share
+            ctx = contextlib.nullcontext((str(raw), None))
+        elif source == "local":
+            ctx = local_source(raw, work / "mnt", rate=a.rate, latency=a.open_latency)
+        else:
+            ctx = s3_source(raw, f"ds-{tag}", rate=a.rate, say=say,
+                            upload=bool({"stream", "full"} & set(a.kinds.split(","))))
         with ctx as (src, so):
             for kind in a.kinds.split(","):
                 if kind in ("mosaic", "litdata") and source != "s3":
@@ -179,7 +186,7 @@ def main() -> None:
         if "error" in r:
             rows.append([r["source"], r["kind"], "error", str(r["error"])[:80], "", "", ""])
             continue
-        epoch = None if a.first_only else r["epoch_s"]
+        epoch = None if a.first_only else r["epoch_s"]  # the time to the last batch run (--max-batches)
         rows.append([r["source"], r["kind"], f"{r['first_batch_s']:.2f}",
                      "-" if epoch is None else f"{epoch:.1f}",
                      "-" if epoch is None else f"{r['samples'] / epoch:.0f}",

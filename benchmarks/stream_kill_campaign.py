@@ -22,6 +22,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,15 @@ except StagingError as e:  # the stager was killed under us: a clear error, not 
 """
 
 
+def _collect(stream: Any, into: list[str]) -> None:
+    for line in stream or ():
+        into.append(line)
+
+
 def stager_pid(root: Path) -> int | None:
-    for state in root.glob("*/incoming/stream/state.json"):
+    states = [p for pattern in ("*/incoming/stream/state.json", "*/*/incoming/stream/state.json")
+              for p in root.glob(pattern)]
+    for state in states:
         try:
             d = json.loads(state.read_text())
         except (OSError, ValueError):
@@ -98,10 +106,23 @@ def main() -> None:
     with FlakyMount(raw, Path(a.work) / "mnt-kill", {}, bytes_per_s=a.rate, open_latency_s=0.0005) as mnt:
         for r in range(a.rounds):
             kind = kinds[r % 3]
+            if r and report["rounds"][-1]["end"] == "epoch":  # the last trainer read it all: stage anew
+                rm_rf(root)
+                root.mkdir(parents=True)
+                report["cycles"] = report.get("cycles", 1) + 1
             p = subprocess.Popen([sys.executable, "-c", TRAINER, str(mnt), str(root), str(a.files), str(a.size)],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                                  cwd=HERE.parent)
-            delay = rng.uniform(1.0, 8.0)
+            got: list[str] = []
+            errs: list[str] = []
+            readers = [threading.Thread(target=_collect, args=(p.stdout, got), name="trainer-out", daemon=True),
+                       threading.Thread(target=_collect, args=(p.stderr, errs), name="trainer-err", daemon=True)]
+            for t in readers:
+                t.start()
+            t_wait = time.monotonic() + 300
+            while not got and p.poll() is None and time.monotonic() < t_wait:
+                time.sleep(0.1)  # until the first batch: the kill lands while it trains and stages
+            delay = rng.uniform(0.5, 12.0)
             time.sleep(delay)
             killed = []
             pid = stager_pid(root)
@@ -111,15 +132,22 @@ def main() -> None:
             if kind in ("trainer", "both") and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)  # the trainer and its workers (its own session)
                 killed.append("trainer")
-            try:
-                out, err = p.communicate(timeout=600)
+            hung = False
+            try:  # a reader whose stager died must raise StagerFailedError soon, not wait for ever
+                p.wait(timeout=600 if killed == ["trainer"] or not killed else 60)
             except subprocess.TimeoutExpired:
+                hung = True
                 os.killpg(p.pid, signal.SIGKILL)
-                out, err = p.communicate()
+                p.wait()
+            for t in readers:
+                t.join(10)
+            out, err = "".join(got), "".join(errs)
             lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
             seen = max((x.get("seen", 0) for x in lines), default=0)
             wrong = err.count("WRONG BYTES")
-            end = lines[-1].get("end", "killed") if lines else "killed"
+            end = "HUNG: no error 60 s after its stager died" if hung else (
+                lines[-1].get("end", "killed") if lines else "killed")
+            report["hung"] = report.get("hung", 0) + hung
             row = {"round": r, "kill": kind, "after_s": round(delay, 2), "killed": killed, "trainer_rc": p.returncode,
                    "end": end, "samples": seen, "wrong": wrong,
                    "stderr": err.strip().splitlines()[-1][:200] if (err.strip() and p.returncode not in (0, -9, 3))

@@ -8,7 +8,8 @@ from its seed and ``epoch + 1``; for sequential order, the same again.  Samples 
 the dataset (``stream_rows``: a file per sample, or the ``.npy`` file holding a row), and the loader writes
 ``order-r<rank>-<pid>``: this epoch's remaining rows, then the next epoch's (runs of one row merged: consecutive
 rows of one ``.npy`` file are one read of it).  As batches reach the training loop it rewrites ``pos-r<rank>-<pid>``
-(rows of that order consumed), at most every :data:`POSITION_EVERY_S`, so the stager knows which files are behind
+(rows of that order consumed), at most every :data:`POSITION_EVERY_S` (a position not yet written when the loop
+then blocks is written by a small owned thread once the interval has passed), so the stager knows which files are behind
 the reader and may be evicted under a cache limit (the workers read ahead of it: the position is conservative).
 
 Orders that cannot be known ahead are left out, never guessed: without a generator the next epoch's seed comes
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
 from typing import Any
 
@@ -101,6 +103,10 @@ class OrderPublisher:
         self._consumed = 0  # samples of this epoch's remaining order the loop has taken
         self._pos_at = 0.0  # when the position was last written
         self._last: Any = None  # the dataset's stream reader when the order was last written
+        self._lock = threading.Lock()  # the position's counters: the loop advances them, the flusher writes them
+        self._pending = False  # a position not written yet (it came within the interval)
+        self._flusher: threading.Thread | None = None
+        self._stop = threading.Event()
 
     @staticmethod
     def wanted(dataset: Any) -> bool:
@@ -138,31 +144,54 @@ class OrderPublisher:
                 log.info("%s: the stream folder is not this user's; the stager is not told this loader's order",
                          reader.name)
             return None
-        self._written = (reader.sdir, reader.reader)
-        self._consumed, self._pos_at = 0, time.monotonic()
+        with self._lock:
+            self._written = (reader.sdir, reader.reader)
+            self._consumed, self._pos_at, self._pending = 0, time.monotonic(), False
         return rows
 
     def advance(self, samples: int) -> None:
-        """The loop took ``samples`` more samples: rewrite the position (rows consumed) when it is due."""
+        """The loop took ``samples`` more samples: rewrite the position (rows consumed) when it is due; one that
+        is not due yet is written by the flusher once it is, so a loop that then blocks leaves no stale position."""
         if self._written is None:
             return
-        self._consumed += samples
-        now = time.monotonic()
-        if now - self._pos_at < POSITION_EVERY_S:
-            return
-        self._pos_at = now
-        # rows whose every sample the loop has taken (a row still being read is not consumed: conservative)
-        rows = max(0, int(np.searchsorted(self._run_starts, self._consumed, side="right")) - 1)
+        with self._lock:
+            self._consumed += samples
+            due = time.monotonic() - self._pos_at >= POSITION_EVERY_S
+            self._pending = not due
+        if due:
+            self._write_position()
+        elif self._flusher is None:
+            self._stop.clear()
+            self._flusher = threading.Thread(target=self._flush_loop, name="stagingloader-position", daemon=True)
+            self._flusher.start()
+
+    def _write_position(self) -> None:
+        with self._lock:
+            if self._written is None:
+                return
+            self._pos_at, self._pending = time.monotonic(), False
+            # rows whose every sample the loop has taken (a row still being read is not consumed: conservative)
+            rows = max(0, int(np.searchsorted(self._run_starts, self._consumed, side="right")) - 1)
+            sdir, name = self._written
         try:
-            stream.write_position(self._written[0], self._written[1], rows)
+            stream.write_position(sdir, name, rows)
         except FileNotFoundError:  # published: nothing to tell any more
             self.close()
         except PermissionError:
             self._written = None
 
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(POSITION_EVERY_S / 2):
+            if self._pending and time.monotonic() - self._pos_at >= POSITION_EVERY_S:
+                self._write_position()
+
     def close(self) -> None:
         """Remove this reader's order and position files (where the run was published, from the version's
         ``stream`` folder, where the rename took them)."""
+        self._stop.set()
+        flusher, self._flusher = self._flusher, None
+        if flusher is not None and flusher is not threading.current_thread():
+            flusher.join()
         if self._written is not None:
             sdir, name = self._written
             self._written = None

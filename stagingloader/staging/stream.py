@@ -53,10 +53,15 @@ def reader_id(rank: int = 0, pid: int | None = None) -> str:
 
 
 def process_start(pid: int) -> int | None:
-    """A process's start time (clock ticks since boot, from ``/proc/PID/stat``), or None if it is gone."""
+    """A process's start time (clock ticks since boot, from ``/proc/PID/stat``), or None if it is gone.
+
+    A zombie is gone: a stager killed while its starter (the training process) has not reaped it yet stays in
+    ``/proc`` with its start time, and its readers must not wait on it for ever."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
+        if fields[0] in (b"Z", b"X"):
+            return None
         return int(fields[19])
     except (OSError, IndexError, ValueError):
         return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -331,6 +332,32 @@ def test_the_position_follows_the_loop(src: Path, tmp_path: Path, monkeypatch: p
         for k in range(1, 4):
             next(it)
             assert np.fromfile(pos, dtype="<i8").tolist() == [5 * k]  # rows of the order the loop has taken
+        loader.close()
+        assert not pos.exists()
+
+
+def test_a_position_within_the_interval_is_written_while_the_loop_waits(src: Path, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches that come faster than the interval: the last position is still written once the interval has
+    passed, though no batch follows (the loop blocks, or trains for a while): the stager must not see it behind."""
+    from stagingloader.loader import orders
+
+    monkeypatch.setattr(orders, "POSITION_EVERY_S", 0.3)
+    with SimStager(src, tmp_path / "ds", publish=False) as sim:
+        ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
+        loader = sl.DataLoader(ds, batch_size=5, shuffle=True, num_workers=0,
+                               generator=torch.Generator().manual_seed(4))
+        pos = sim.sdir / f"pos-{stream.reader_id(0)}"
+        it = iter(loader)
+        next(it)  # within the interval of the epoch start's write: not written at once
+        next(it)
+        seen = np.fromfile(pos, dtype="<i8").tolist()
+        for _ in range(200):  # then nothing more from the loop
+            if seen == [10]:
+                break
+            time.sleep(0.02)
+            seen = np.fromfile(pos, dtype="<i8").tolist()
+        assert seen == [10]
         loader.close()
         assert not pos.exists()
 

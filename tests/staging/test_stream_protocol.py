@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,24 @@ def test_state_says_when_the_stager_is_gone_or_failed(tmp_path: Path) -> None:
     assert "disk full" in (failed.problem("ds") or "")
     done = stream.StreamState(pid=child.pid, start_time=start, state=stream.COMPLETE)
     assert done.problem("ds") is None  # a finished stager may exit
+
+
+def test_a_killed_stager_not_yet_reaped_is_gone(tmp_path: Path) -> None:
+    """A stager killed while its starter (the training process) has not reaped it is a zombie: still in /proc
+    with its start time, but gone; its readers must fail, not wait for it for ever."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = stream.process_start(child.pid)
+        assert start is not None and stream.StreamState(pid=child.pid, start_time=start).alive
+        child.kill()
+        while b") Z" not in Path(f"/proc/{child.pid}/stat").read_bytes():
+            time.sleep(0.01)
+        state = stream.StreamState(pid=child.pid, start_time=start)
+        assert os.path.exists(f"/proc/{child.pid}")  # not reaped: a zombie
+        assert not state.alive and "is gone" in (state.problem("ds") or "")
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_order_and_urgent_rows_reach_the_stager_bounded(tmp_path: Path) -> None:

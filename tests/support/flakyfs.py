@@ -56,13 +56,19 @@ class _Flaky:
 
     def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
         st = os.lstat(self._path(path))
-        keys = ("st_mode", "st_nlink", "st_uid", "st_gid", "st_size", "st_atime", "st_mtime", "st_ctime")
+        keys = ("st_ino", "st_mode", "st_nlink", "st_uid", "st_gid", "st_size", "st_atime", "st_mtime", "st_ctime")
         out = {k: getattr(st, k) for k in keys}
         out.update(st_atime_ns=st.st_atime_ns, st_mtime_ns=st.st_mtime_ns, st_ctime_ns=st.st_ctime_ns)
         return out
 
-    def readdir(self, path: str, fh: Any) -> list[str]:
-        return [".", "..", *os.listdir(self._path(path))]
+    def readdir(self, path: str, fh: Any) -> list[Any]:
+        # names with their inode numbers and types: with use_ino a bare name would reach the reader as inode 0,
+        # which readdir(3) skips
+        out: list[Any] = [".", ".."]
+        with os.scandir(self._path(path)) as entries:
+            for e in entries:
+                out.append((e.name, {"st_ino": e.inode(), "st_mode": e.stat(follow_symlinks=False).st_mode}, 0))
+        return out
 
     def open(self, path: str, flags: int) -> int:
         self._maybe_fail(path, "open")
@@ -91,8 +97,10 @@ def serve(source: str, mountpoint: str, rules: dict[str, dict[str, Any]], link: 
 
     ops = type("FlakyOps", (_Flaky, mfusepy.Operations), {})(source, rules, link)
     # direct_io: every read reaches us (no page cache between the reader and the failure); allow_other: the
-    # attack tests read it as other users too
-    mfusepy.FUSE(ops, mountpoint, foreground=True, nothreads=False, direct_io=True, allow_other=True, ro=True)
+    # attack tests read it as other users too; use_ino: the backing files' inode numbers, stable as on NFS (else
+    # the kernel numbers a file anew once it forgets it, and the stager's inode check sees a replaced file)
+    mfusepy.FUSE(ops, mountpoint, foreground=True, nothreads=False, direct_io=True, allow_other=True, ro=True,
+                 use_ino=True)
 
 
 class FlakyMount:
