@@ -1,9 +1,19 @@
 """The manifest: per file its relative path, size, source fingerprint and digest, in columns.
 
-Columns (not a list of records) keep a manifest of 1,000,000 files loadable in about a second
-with the standard ``json`` module.  A manifest is written atomically and carries
-``"complete": true``; a dataset is usable only when its manifest loads and validates.
-The same format serves as the *source* manifest (``stagingloader manifest SRC``).
+In memory a manifest holds one array per column (:mod:`.columns`): paths in one blob, sizes and mtimes as
+int64 arrays, digests as 16-byte rows; nothing is a Python object per file until a caller asks for a row.
+
+On disk, two versions:
+
+* **version 2** (what the cache writes, ``<version>/manifest.json``): one line of JSON (the header: format,
+  version, source, counts, dataset digest, where each column lies, the body's xxh3-128 and ``"complete":
+  true``), then the columns as little-endian binary arrays.  It loads as one read and a few array views
+  (a million files in milliseconds) and any truncation or damage fails its body digest.
+* **version 1** (one JSON document whose ``columns`` are lists): still read everywhere, and still what
+  ``stagingloader manifest SRC`` writes as the *source* manifest (``.stagingloader-manifest.json``), a
+  format people and other tools read; checkpoint markers use it too.
+
+Either is written atomically; a dataset is usable only when its manifest loads and validates.
 """
 
 from __future__ import annotations
@@ -11,19 +21,24 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from .. import digest as dg
 from ..errors import ManifestError
-from ..fsio import atomic_write
+from ..fsio import atomic_write_parts
+from .columns import CHUNK_ROWS, DigestColumn, Int64Array, StrColumn, as_int64, encode
 
 FORMAT = "stagingloader-manifest"
-VERSION = 1
+VERSION = 2  #: the version :meth:`Manifest.save` writes
+READABLE = (1, 2)
 SOURCE_MANIFEST_NAME = ".stagingloader-manifest.json"
 COLUMNS = ("path", "size", "mtime_ns", "etag", "digest")
+_V2_COLUMNS = ("path_offsets", "path_blob", "size", "mtime_ns", "etag_offsets", "etag_blob", "digest")
+_ALIGN = 8
 
 
 def same_source(size: int, mtime_ns: int, etag: str, old_size: int, old_mtime_ns: int, old_etag: str) -> bool:
@@ -51,102 +66,306 @@ class Entry:
         return same_source(size, mtime_ns, etag, self.size, self.mtime_ns, self.etag)
 
 
-@dataclass
+def _ints(values: Int64Array) -> Iterator[int]:
+    for start in range(0, len(values), CHUNK_ROWS):
+        yield from values[start:start + CHUNK_ROWS].tolist()
+
+
 class Manifest:
-    source: str
-    path: list[str] = field(default_factory=list)
-    size: list[int] = field(default_factory=list)
-    mtime_ns: list[int] = field(default_factory=list)
-    etag: list[str] = field(default_factory=list)
-    digest: list[str] = field(default_factory=list)
-    created: float = field(default_factory=time.time)
-    _index: dict[str, int] | None = field(default=None, repr=False, compare=False)
+    """A dataset's files in columns: ``path`` and ``etag`` (:class:`StrColumn`), ``size`` and ``mtime_ns``
+    (int64 arrays), ``digest`` (:class:`DigestColumn`); each indexes and iterates like a list."""
+
+    def __init__(self, source: str, path: Sequence[str] | StrColumn = (), size: Any = (), mtime_ns: Any = (),
+                 etag: Sequence[str] | StrColumn = (), digest: Sequence[str] | DigestColumn = (),
+                 created: float | None = None, *, sorted_by_bytes: bool = False) -> None:
+        self.source = source
+        self.path = path if isinstance(path, StrColumn) else StrColumn.from_strs(path)
+        self.size: Int64Array = as_int64(size)
+        self.mtime_ns: Int64Array = as_int64(mtime_ns)
+        n = len(self.path)
+        if isinstance(etag, StrColumn):
+            self.etag = etag
+        else:
+            self.etag = StrColumn.from_strs(etag) if any(etag) else StrColumn.empty(len(etag))
+        self.digest = digest if isinstance(digest, DigestColumn) else DigestColumn.from_strs(digest)
+        self.created = time.time() if created is None else created
+        self.sorted_by_bytes = sorted_by_bytes  #: rows ascend by UTF-8 bytes: rows are found by binary search
+        self._index: dict[str, int] | None = None
+        self._dataset_digest: str | None = None
+        if not all(len(c) == n for c in (self.size, self.mtime_ns, self.etag, self.digest)):
+            raise ManifestError(f"manifest of {source}: its columns do not all have {n} entries")
 
     @classmethod
-    def from_entries(cls, source: str, entries: list[Entry]) -> Manifest:
-        entries = sorted(entries, key=lambda e: e.path)
-        return cls(
-            source,
-            [e.path for e in entries],
-            [e.size for e in entries],
-            [e.mtime_ns for e in entries],
-            [e.etag for e in entries],
-            [e.digest for e in entries],
-        )
+    def from_entries(cls, source: str, entries: Iterable[Entry]) -> Manifest:
+        rows = sorted(entries, key=lambda e: encode(e.path))
+        return cls(source, [e.path for e in rows], [e.size for e in rows], [e.mtime_ns for e in rows],
+                   [e.etag for e in rows], [e.digest for e in rows], sorted_by_bytes=True)
 
     def __len__(self) -> int:
         return len(self.path)
 
     def __iter__(self) -> Iterator[Entry]:
-        return map(Entry, self.path, self.size, self.mtime_ns, self.etag, self.digest)
+        return map(Entry, self.path, _ints(self.size), _ints(self.mtime_ns), self.etag, self.digest)
 
     def __contains__(self, rel: object) -> bool:
-        return rel in self.index()
+        return isinstance(rel, str) and self.find(rel) >= 0
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Manifest):
+            return NotImplemented
+        return (self.source == other.source and self.path.same_as(other.path)
+                and np.array_equal(self.size, other.size) and np.array_equal(self.mtime_ns, other.mtime_ns)
+                and self.etag == other.etag and self.digest == other.digest)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Manifest({self.source!r}, {len(self)} files, {self.total_bytes} bytes)"
 
     def index(self) -> dict[str, int]:
+        """path -> row, built on first use (a dict of every path: prefer :meth:`find` for a few lookups)."""
         if self._index is None:
             self._index = {p: i for i, p in enumerate(self.path)}
         return self._index
 
+    def find(self, rel: str) -> int:
+        """Row of ``rel``, or -1 (binary search over a manifest sorted by bytes)."""
+        if self.sorted_by_bytes and self._index is None:
+            return self.path.find(rel)
+        return self.index().get(rel, -1)
+
+    def entry(self, i: int) -> Entry:
+        return Entry(self.path[i], int(self.size[i]), int(self.mtime_ns[i]), self.etag[i], self.digest[i])
+
     def get(self, rel: str) -> Entry | None:
-        i = self.index().get(rel)
-        if i is None:
-            return None
-        return Entry(self.path[i], self.size[i], self.mtime_ns[i], self.etag[i], self.digest[i])
+        i = self.find(rel)
+        return None if i < 0 else self.entry(i)
+
+    def digests(self, row_of: Callable[[str], int] | None = None) -> Mapping[str, str]:
+        """A read-only path -> digest view (what the copier checks each file against); ``row_of`` may name a
+        row faster than a search (the copier's files in flight), -1 when it does not know."""
+        return _Digests(self, row_of)
 
     @property
     def total_bytes(self) -> int:
-        return sum(self.size)
+        return int(self.size.sum())
 
     @property
     def dataset_digest(self) -> str:
         """One digest over every (path, size, digest): equal digests mean equal datasets."""
-        return dg.combine(f"{p}\0{s}\0{d}" for p, s, d in zip(self.path, self.size, self.digest))
+        if self._dataset_digest is None:
+            hasher = dg.new_hasher()
+            prefix = dg.PREFIX.encode()
+            blob = memoryview(self.path.blob)
+            for start in range(0, len(self), CHUNK_ROWS):
+                end = min(len(self), start + CHUNK_ROWS)
+                offs = self.path.offsets[start:end + 1].tolist()
+                hexes = self.digest.array[start:end].tobytes().hex().encode()
+                hasher.update(b"".join(
+                    b"%s\0%d\0%s%s\n" % (blob[a:b], size, prefix, hexes[32 * k:32 * k + 32])
+                    for k, (a, b, size) in enumerate(zip(offs, offs[1:], self.size[start:end].tolist()))))
+            self._dataset_digest = dg.format_digest(hasher)
+        return self._dataset_digest
 
+    # ---- version 1: JSON ------------------------------------------------------------------------
     def to_json(self) -> bytes:
+        """Version 1, one JSON document: the source manifest's and the checkpoint markers' format."""
         doc = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": 1,
             "source": self.source,
             "created": self.created,
             "algorithm": dg.ALGORITHM,
             "files": len(self),
             "total_bytes": self.total_bytes,
             "dataset_digest": self.dataset_digest,
-            "columns": {name: getattr(self, name) for name in COLUMNS},
+            "columns": {"path": list(self.path), "size": self.size.tolist(), "mtime_ns": self.mtime_ns.tolist(),
+                        "etag": list(self.etag), "digest": list(self.digest)},
+            "order": "bytes" if self.sorted_by_bytes else "any",
             "complete": True,
         }
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogateescape")
 
+    # ---- version 2: a JSON header line, then binary columns --------------------------------------
+    def _v2_parts(self) -> list[bytes | memoryview]:
+        """Version 2 as the header line and then views of the columns (no copy of a column is made)."""
+        if not self.digest.all_known():
+            raise ManifestError(f"the manifest of {self.source} has files whose digest is not known yet: it cannot be "
+                                "written until every file is staged")
+        def le(a: Int64Array) -> memoryview:
+            return np.ascontiguousarray(a, dtype="<i8").data.cast("B")
+
+        columns: dict[str, memoryview] = {
+            "path_offsets": le(self.path.offsets), "path_blob": memoryview(self.path.blob).cast("B"),
+            "size": le(self.size), "mtime_ns": le(self.mtime_ns), "etag_offsets": le(self.etag.offsets),
+            "etag_blob": memoryview(self.etag.blob).cast("B"),
+            "digest": np.ascontiguousarray(self.digest.array).data.cast("B"),
+        }
+        layout: dict[str, list[int]] = {}
+        body: list[bytes | memoryview] = []
+        hasher = dg.new_hasher()
+        at = 0
+        for name in _V2_COLUMNS:
+            data = columns[name]
+            pad = b"\0" * (-len(data) % _ALIGN)
+            layout[name] = [at, len(data)]
+            for part in (data, pad):
+                hasher.update(part)
+                body.append(part)
+            at += len(data) + len(pad)
+        header = {
+            "format": FORMAT, "version": 2, "source": self.source, "created": self.created,
+            "algorithm": dg.ALGORITHM, "files": len(self), "total_bytes": self.total_bytes,
+            "dataset_digest": self.dataset_digest, "order": "bytes" if self.sorted_by_bytes else "any",
+            "columns": layout, "body_bytes": at, "body_digest": dg.format_digest(hasher), "complete": True,
+        }
+        line = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii") + b"\n"
+        return [line, *body]
+
+    def to_bytes(self) -> bytes:
+        """Version 2: a header line of JSON, then the columns (little-endian), then nothing."""
+        return b"".join(self._v2_parts())
+
     def save(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
-        atomic_write(path, self.to_json(), fsync=fsync)
+        """Write version 2 atomically (temp name, then rename), a column at a time."""
+        atomic_write_parts(path, self._v2_parts(), fsync=fsync)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Manifest:
         try:
-            raw = Path(path).read_bytes()
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                raw = bytearray(size)  # writable: the columns are views of it
+                got = f.readinto(raw)
         except FileNotFoundError:
             raise ManifestError(f"no manifest at {path}: the dataset was never completely staged") from None
-        return cls.parse(raw, str(path))
+        return cls.parse(raw[:got] if got != size else raw, str(path))
 
     @classmethod
-    def parse(cls, raw: bytes, where: str) -> Manifest:
-        try:
-            doc = json.loads(raw.decode("utf-8", "surrogateescape"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(
-                f"manifest {where} is truncated or corrupt ({e}); stage the dataset again to rebuild it"
-            ) from None
-        _check_header(doc, where)
-        cols = doc["columns"]
-        m = cls(doc.get("source", ""), path=cols["path"], size=cols["size"], mtime_ns=cols["mtime_ns"],
-                etag=cols["etag"], digest=cols["digest"], created=doc.get("created", 0.0))
-        n = doc.get("files")
-        if any(len(getattr(m, name)) != n for name in COLUMNS):
-            raise ManifestError(f"manifest {where} is inconsistent: its columns do not all have {n} entries")
-        if n and not (dg.is_digest(m.digest[0]) and dg.is_digest(m.digest[-1])):
-            raise ManifestError(f"manifest {where} holds digests that are not {dg.ALGORITHM}:<hex>")
-        return m
+    def parse(cls, raw: bytes | bytearray, where: str) -> Manifest:
+        """A manifest of either version from its bytes; ManifestError names what is wrong and the fix."""
+        nl = raw.find(b"\n", 0, 1 << 20)
+        if nl > 0:
+            try:
+                header = json.loads(bytes(raw[:nl]))
+            except (ValueError, UnicodeDecodeError):
+                header = None
+            if isinstance(header, dict) and header.get("version") == 2:
+                return _parse_v2(header, raw, nl + 1, where)
+        return _parse_v1(raw, where)
+
+
+class _Digests(Mapping[str, str]):
+    def __init__(self, manifest: Manifest, row_of: Callable[[str], int] | None) -> None:
+        self.manifest, self.row_of = manifest, row_of
+
+    def _row(self, rel: str) -> int:
+        i = self.row_of(rel) if self.row_of is not None else -1
+        if i >= 0 and self.manifest.path.raw(i) == encode(rel):
+            return i
+        return self.manifest.find(rel)
+
+    def __getitem__(self, rel: str) -> str:
+        i = self._row(rel)
+        if i < 0:
+            raise KeyError(rel)
+        return self.manifest.digest[i]
+
+    def __contains__(self, rel: object) -> bool:
+        return isinstance(rel, str) and self._row(rel) >= 0
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.manifest.path)
+
+    def __len__(self) -> int:
+        return len(self.manifest)
+
+
+def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The header of a version-2 manifest (its first line), or the whole document less its columns (version 1)."""
+    with open(path, "rb") as f:
+        first = f.readline(1 << 20)
+        if first.endswith(b"\n"):
+            doc: dict[str, Any] = json.loads(first)
+            return doc
+        f.seek(0)
+        doc = json.loads(f.read().decode("utf-8", "surrogateescape"))
+    doc.pop("columns", None)
+    return doc
+
+
+def _corrupt(where: str, what: str) -> ManifestError:
+    return ManifestError(f"manifest {where} is truncated or corrupt ({what}); stage the dataset again to rebuild it")
+
+
+def _parse_v1(raw: bytes | bytearray, where: str) -> Manifest:
+    try:
+        doc = json.loads(bytes(raw).decode("utf-8", "surrogateescape"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _corrupt(where, str(e)) from None
+    _check_header(doc, where)
+    missing = [c for c in COLUMNS if not isinstance(doc["columns"].get(c), list)]
+    if missing:
+        raise ManifestError(f"manifest {where} lacks the column(s) {', '.join(missing)}")
+    cols = doc["columns"]
+    n = doc.get("files")
+    if any(len(cols[name]) != n for name in COLUMNS):
+        raise ManifestError(f"manifest {where} is inconsistent: its columns do not all have {n} entries")
+    digests = cols["digest"]
+    if n and not all(dg.is_digest(d) for d in (digests[0], digests[-1])):
+        raise ManifestError(f"manifest {where} holds digests that are not {dg.ALGORITHM}:<hex>")
+    try:
+        digest = DigestColumn.from_strs(digests)
+    except (ValueError, TypeError):
+        raise ManifestError(f"manifest {where} holds digests that are not {dg.ALGORITHM}:<hex>") from None
+    try:
+        return Manifest(doc.get("source", ""), cols["path"], cols["size"], cols["mtime_ns"], cols["etag"], digest,
+                        doc.get("created", 0.0), sorted_by_bytes=doc.get("order") == "bytes")
+    except (TypeError, ValueError, OverflowError) as e:
+        raise _corrupt(where, f"a column holds a value of the wrong type: {e}") from None
+
+
+def _parse_v2(header: dict[str, Any], raw: bytes | bytearray, start: int, where: str) -> Manifest:
+    _check_header(header, where)
+    n = header.get("files")
+    layout = header["columns"]
+    body = memoryview(raw)[start:]
+    if not isinstance(n, int) or n < 0 or header.get("body_bytes") != len(body):
+        raise _corrupt(where, f"{len(body)} bytes of columns where the header says {header.get('body_bytes')}")
+    if not isinstance(layout, dict) or any(not (isinstance(layout.get(c), list) and len(layout[c]) == 2)
+                                           for c in _V2_COLUMNS):
+        missing = [c for c in _V2_COLUMNS if not isinstance(layout, dict) or c not in layout]
+        raise ManifestError(f"manifest {where} lacks the column(s) {', '.join(missing) or 'layout'}")
+    if header.get("body_digest") != dg.digest_bytes(body):
+        raise _corrupt(where, "its columns do not match the digest in its header")
+
+    def col(name: str) -> memoryview:
+        at, length = layout[name]
+        if not (isinstance(at, int) and isinstance(length, int) and at >= 0 and at + length <= len(body)):
+            raise _corrupt(where, f"column {name} lies outside the file")
+        return body[at:at + length]
+
+    def ints(name: str, count: int) -> Int64Array:
+        data = col(name)
+        if len(data) != 8 * count:
+            raise ManifestError(f"manifest {where} is inconsistent: column {name} does not have {count} entries")
+        return np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False)
+
+    path_off, etag_off = ints("path_offsets", n + 1), ints("etag_offsets", n + 1)
+    path_blob, etag_blob = col("path_blob"), col("etag_blob")
+    for off, blob, name in ((path_off, path_blob, "path"), (etag_off, etag_blob, "etag")):
+        if off[0] != 0 or off[-1] != len(blob) or (n and bool((np.diff(off) < 0).any())):
+            raise _corrupt(where, f"the {name} offsets do not describe its strings")
+    digest = col("digest")
+    if len(digest) != 16 * n:
+        raise ManifestError(f"manifest {where} is inconsistent: column digest does not have {n} entries")
+    m = Manifest(header.get("source", ""), StrColumn(path_blob, path_off), ints("size", n),
+                 ints("mtime_ns", n), StrColumn(etag_blob, etag_off),
+                 DigestColumn(np.frombuffer(digest, dtype=np.uint8).reshape(n, 16)), header.get("created", 0.0),
+                 sorted_by_bytes=header.get("order") == "bytes")
+    if isinstance(header.get("dataset_digest"), str) and dg.is_digest(header["dataset_digest"]):
+        m._dataset_digest = header["dataset_digest"]
+    return m
 
 
 def _check_header(doc: Any, where: str) -> None:
@@ -155,15 +374,14 @@ def _check_header(doc: Any, where: str) -> None:
             f"{where} is not a stagingloader manifest (no \"format\": \"{FORMAT}\"); "
             "remove it or write one with `stagingloader manifest`"
         )
-    if doc.get("version") != VERSION:
+    if doc.get("version") not in READABLE:
         raise ManifestError(
             f"manifest {where} has format version {doc.get('version')!r}; this stagingloader reads "
-            f"version {VERSION}: upgrade stagingloader or rewrite it with `stagingloader manifest`"
+            f"versions {', '.join(map(str, READABLE))}: upgrade stagingloader or rewrite it with "
+            "`stagingloader manifest`"
         )
     if doc.get("complete") is not True or not isinstance(doc.get("columns"), dict):
         raise ManifestError(f"manifest {where} is incomplete; stage the dataset again to rebuild it")
     if doc.get("algorithm") != dg.ALGORITHM:
         raise ManifestError(f"manifest {where} uses digest {doc.get('algorithm')!r}, not {dg.ALGORITHM}")
-    missing = [c for c in COLUMNS if not isinstance(doc["columns"].get(c), list)]
-    if missing:
-        raise ManifestError(f"manifest {where} lacks the column(s) {', '.join(missing)}")
+

@@ -34,7 +34,7 @@ def list_files(staged: StagedDataset | str | os.PathLike[str]) -> Listing:
     if isinstance(staged, StagedDataset):
         reader = stream_of(staged)
         if reader is None:
-            return Listing(staged.root, list(staged.manifest.path), list(staged.manifest.size))
+            return Listing(staged.root, list(staged.manifest.path), staged.manifest.size.tolist())
         return _streaming(reader)
     path = Path(staged)
     try:
@@ -54,7 +54,7 @@ def list_files(staged: StagedDataset | str | os.PathLike[str]) -> Listing:
 
 def _version(ddir: DatasetDir, version: str) -> Listing:
     m = ddir.load_manifest(version)  # a truncated or foreign manifest: ManifestError, naming it
-    return Listing(ddir.version_dir(version) / "data", list(m.path), list(m.size))
+    return Listing(ddir.version_dir(version) / "data", list(m.path), m.size.tolist())
 
 
 def _streaming(reader: StreamReader) -> Listing:

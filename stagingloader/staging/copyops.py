@@ -68,8 +68,8 @@ class Target:
 class Worker:
     """The per-worker state: a reused buffer, the folders already created, the temp-name counter."""
 
-    def __init__(self, target: Target, stop: StopFlag, read_range: Callable[[str, int, int, str], bytes] | None = None
-                 ) -> None:
+    def __init__(self, target: Target, stop: StopFlag,
+                 read_range: Callable[[str, int, int, str], bytes | memoryview] | None = None) -> None:
         self.target = target
         self.stop = stop
         self.read_range = read_range  #: a remote source's reader (threads only)

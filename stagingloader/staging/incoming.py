@@ -5,6 +5,10 @@
 ``data/`` with no journal line (the journal is flushed in batches) is deleted at resume and
 copied again; a journal line whose file is gone is forgotten.  Large files keep their
 finished ranges in ``.partial/<id>`` with a ``.ranges`` journal, so they resume mid-file.
+
+In memory, what this run records is kept in columns by listing row (:meth:`Incoming.track` hands the
+copier its files and remembers each one's row until its entry comes back): row, size, mtime and the
+16-byte digest, no object per file.
 """
 
 from __future__ import annotations
@@ -15,17 +19,37 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from .. import digest as dg
 from ..cache import trust
+from ..cache.columns import Int64Array, RowArray, digest_raw
 from ..cache.manifest import Entry
 from ..errors import CacheError
 from ..fsio import atomic_write
-from .sources import SourceFile
+from .listing import Listing, SourceFile
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recorded:
+    """Entries recorded by one run, by listing row: ``have`` marks the rows recorded, ``digest`` holds their
+    16-byte digests (one row per listing row); size, mtime and etag are the listing's except where the copier
+    recorded another (``changed``: row -> (size, mtime_ns, etag), rare: a file that changed as it was read)."""
+
+    have: npt.NDArray[np.bool_]
+    digest: npt.NDArray[np.uint8]
+    changed: dict[int, tuple[int, int, str]]
+    extra: list[Entry]
+
+    @property
+    def rows(self) -> Int64Array:
+        return np.flatnonzero(self.have).astype(np.int64)
 
 
 def partial_id(rel: str) -> str:
@@ -49,7 +73,12 @@ class Incoming:
         self._last_flush = time.monotonic()
         self._fd: int | None = None
         self._dirs: set[str] = set()
-        self.entries: list[Entry] = []  #: every entry recorded by this process
+        self._pending: dict[str, int] = {}  # rel -> listing row, for the files handed out and not yet recorded
+        self._listing: Listing | None = None
+        self._have = np.zeros(0, dtype=bool)  # per listing row: recorded by this run
+        self._digest = np.zeros((0, 16), dtype=np.uint8)  # per listing row: its digest, once recorded
+        self._changed: dict[int, tuple[int, int, str]] = {}  # row -> what was recorded, where not the listing's
+        self._extra: list[Entry] = []  # entries of files not handed out by track()
         self.on_record: Callable[[list[Entry]], None] | None = None  #: told of each file recorded (streaming)
 
     def open(self) -> None:
@@ -70,15 +99,70 @@ class Incoming:
         self.record_many([entry])
 
     def record_many(self, entries: list[Entry]) -> None:
+        """Journal ``entries`` (whole, verified files under ``data/``) and file them by listing row."""
         lines = [json.dumps([e.path, e.size, e.mtime_ns, e.etag, e.digest], ensure_ascii=False) for e in entries]
         with self._lock:
-            self.entries.extend(entries)
+            pending = self._pending
+            for e in entries:
+                row = pending.pop(e.path, -1)
+                if row < 0:
+                    self._extra.append(e)
+                    continue
+                self._have[row] = True
+                self._digest[row] = np.frombuffer(digest_raw(e.digest), dtype=np.uint8)
+                listing = self._listing
+                assert listing is not None
+                if e.size != listing.size[row] or e.mtime_ns != listing.mtime_ns[row] or e.etag != (
+                        listing.etag[row] if listing.etag.any_nonempty() else ""):
+                    self._changed[row] = (e.size, e.mtime_ns, e.etag)
             self._buffer.extend(lines)
             due = len(self._buffer) >= self.FLUSH_EVERY or time.monotonic() - self._last_flush > self.FLUSH_SECONDS
         if due:
             self.flush()
         if self.on_record is not None:
             self.on_record(entries)
+
+    def journal(self, entries: list[Entry]) -> None:
+        """Journal ``entries`` without filing them (files whose entries the caller already holds: hard links)."""
+        lines = [json.dumps([e.path, e.size, e.mtime_ns, e.etag, e.digest], ensure_ascii=False) for e in entries]
+        with self._lock:
+            self._buffer.extend(lines)
+        self.flush()
+
+    def track(self, listing: Listing, rows: RowArray) -> Iterator[SourceFile]:
+        """The files at ``rows`` of ``listing``, made one at a time for the copier; each one's row is remembered
+        until its entry is recorded, so that :meth:`record_many` files it in columns."""
+        if self._listing is not listing:
+            self._listing = listing
+            self._have = np.zeros(len(listing), dtype=bool)
+            self._digest = np.zeros((len(listing), 16), dtype=np.uint8)
+        return listing.iter_rows(rows, on_row=self._expect)
+
+    def _expect(self, rel: str, row: int) -> None:
+        with self._lock:
+            self._pending[rel] = row
+
+    def row_of(self, rel: str) -> int:
+        """The listing row of a file handed out by :meth:`track` and not yet recorded, else -1."""
+        return self._pending.get(rel, -1)
+
+    def recorded(self) -> Recorded:
+        """What this process recorded, by listing row, and the entries of files :meth:`track` did not hand out."""
+        with self._lock:
+            return Recorded(have=self._have, digest=self._digest, changed=dict(self._changed),
+                            extra=list(self._extra))
+
+    @property
+    def entries(self) -> list[Entry]:
+        """Every entry recorded by this process (made on access)."""
+        rec = self.recorded()
+        out = list(rec.extra)
+        if self._listing is not None:
+            for row in rec.rows.tolist():
+                f = self._listing.row(row)
+                size, mtime, etag = rec.changed.get(row, (f.size, f.mtime_ns, f.etag))
+                out.append(Entry(f.rel, size, mtime, etag, dg.PREFIX + bytes(rec.digest[row].tobytes()).hex()))
+        return out
 
     def flush(self) -> None:
         with self._lock:

@@ -11,30 +11,34 @@ stager and the loader agree without exchanging a plan.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
+from ..cache.columns import encode
 from ..errors import UsageError
+from .listing import Listing
 
 T = TypeVar("T")
 
 
-def take_shard(items: Sequence[T], shard: tuple[int, int] | None) -> list[T]:
+def take_shard(items: Sequence[T], shard: tuple[int, int] | None) -> Sequence[T]:
     """The items of shard I of N from a listing sorted by name: every N-th item, from the I-th.
 
     This is the one rule; ``--shard I/N``, ``--shard node``, the Slurm hooks and the loader's
     ``shard="node"`` all go through it.
     """
     if shard is None:
-        return list(items)
+        return cast(Sequence[T], items) if isinstance(items, Listing) else list(items)
     i, n = shard
     if n < 1 or not 0 <= i < n:
         raise UsageError(f"need 0 <= I < N for shard I/N, not {i}/{n}")
+    if isinstance(items, Listing):
+        return cast(Sequence[T], items[i::n])  # a Listing again: columns, no object per file
     return list(items[i::n])
 
 
 def files_for_node(files: Sequence[str], node: int, num_nodes: int) -> list[int]:
     """Indices into ``files`` (in any order) of the files node ``node`` of ``num_nodes`` stages and reads, ascending."""
-    by_name = sorted(range(len(files)), key=lambda i: files[i])
+    by_name = sorted(range(len(files)), key=lambda i: encode(files[i]))  # the listing's order: UTF-8 bytes
     return sorted(take_shard(by_name, (node, num_nodes)))
 
 

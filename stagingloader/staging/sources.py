@@ -13,9 +13,10 @@ import os
 import stat
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+
+import numpy as np
 
 from ..cache.manifest import SOURCE_MANIFEST_NAME, Manifest
 from ..errors import (
@@ -25,8 +26,12 @@ from ..errors import (
     UnsafePathError,
     UsageError,
 )
+from .listing import Listing, ListingBuilder, SourceFile, scan_local
 from .objectio import Buffer, ObstoreReader, RangeReader, direct_reader, s3_reader
 from .retry import RetryPolicy, as_source_error, call_with_retry, redact
+from .scanning import list_tree
+
+__all__ = ["Listing", "Source", "SourceFile", "selected", "validate_rel"]
 
 GLOB_CHARS = "*?["
 _INSTALL_HINTS = {
@@ -39,18 +44,6 @@ _INSTALL_HINTS = {
     "az": "pip install adlfs",
     "abfs": "pip install adlfs",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class SourceFile:
-    """One file of a listing: its relative path under the source, size and fingerprint."""
-
-    rel: str
-    size: int
-    mtime_ns: int
-    etag: str = ""
-    dev: int = 0  #: a local file's device and inode as listed: the copier refuses another file under its name
-    ino: int = 0
 
 
 def validate_rel(rel: str) -> str:
@@ -156,30 +149,33 @@ class Source:
         return f"{self.base}/{rel}" if self.base else rel
 
     # ---- listing ---------------------------------------------------------------------------
-    def listing(self, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> list[SourceFile]:
-        """List the source, sorted by relative path. Raises SourceError naming what is wrong."""
-        files = self._list_local() if self.is_local else self._list_remote()
-        files = [f for f in files if f.rel != SOURCE_MANIFEST_NAME and selected(f.rel, include, exclude)]
-        if not files:
+    def listing(self, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> Listing:
+        """List the source into columns, sorted by relative path. Raises SourceError naming what is wrong."""
+        files = self._list_local() if self.is_local else Listing.from_files(
+            f for f in self._list_remote() if f.rel != SOURCE_MANIFEST_NAME)
+        if include or exclude:
+            keep = np.fromiter((selected(rel, include, exclude) for rel in files.path), dtype=bool, count=len(files))
+            files = files.mask(keep)
+        if not len(files):
             what = f" matching --include {list(include)}" if include else ""
             raise SourceError(f"source {self.url} holds no files{what}: nothing to stage")
-        files.sort(key=lambda f: f.rel)
         return files
 
-    def _list_local(self) -> list[SourceFile]:
+    def _list_local(self) -> Listing:
+        out = ListingBuilder()
         if self.pattern:
             import glob
 
-            out: list[SourceFile] = []
             for match in sorted(glob.glob(self.pattern, recursive=True)):
                 rel = os.path.relpath(match, self.base)
                 if os.path.isdir(match):
-                    out.extend(_scan(os.path.realpath(match), self.base, rel + "/"))
+                    scan_local(os.path.realpath(match), self.base, rel + "/", out, on_error=as_source_error)
                 else:
-                    out.extend(_scan_one(match, self.base, rel))
-            if not out and not os.path.isdir(self.base):
+                    _scan_one(match, self.base, rel, out)
+            if not len(out.paths) and not os.path.isdir(self.base):
                 raise SourceNotFoundError(f"source {self.url} does not exist; check the path")
-            return out
+            found = out.listing()
+            return Listing.from_files(f for f in found if f.rel != SOURCE_MANIFEST_NAME)  # globs may overlap
         try:
             st = os.stat(self.base)
         except FileNotFoundError:
@@ -188,8 +184,9 @@ class Source:
             raise as_source_error(e, self.url) from e
         if stat.S_ISREG(st.st_mode):
             self._single = True
-            return [SourceFile(os.path.basename(self.base), st.st_size, st.st_mtime_ns, "", st.st_dev, st.st_ino)]
-        return _scan(self.base, self.base, "")
+            out.add(os.fsencode(os.path.basename(self.base)), st)
+            return out.listing()
+        return list_tree(self.base, skip_top=os.fsencode(SOURCE_MANIFEST_NAME))
 
     def _list_remote(self) -> list[SourceFile]:
         def listing() -> dict[str, dict[str, Any]]:
@@ -335,7 +332,7 @@ def _remote_entry(rel: str, info: dict[str, Any]) -> SourceFile:
     return SourceFile(rel, int(info["size"]), mtime_ns, etag)
 
 
-def _scan_one(path: str, base: str, rel: str) -> list[SourceFile]:
+def _scan_one(path: str, base: str, rel: str, out: ListingBuilder) -> None:
     real = os.path.realpath(path)
     if not (real == base or real.startswith(base + "/")):
         raise UnsafePathError(f"refusing {path}: it is a symlink to {real}, outside the source {base}")
@@ -343,52 +340,4 @@ def _scan_one(path: str, base: str, rel: str) -> list[SourceFile]:
         st = os.stat(path)
     except OSError as e:
         raise as_source_error(e, path) from e
-    return [SourceFile(validate_rel(rel), st.st_size, st.st_mtime_ns, "", st.st_dev, st.st_ino)]
-
-
-def _scan(top: str, base: str, prefix: str) -> list[SourceFile]:
-    """Walk ``top`` (a real path inside ``base``), following symlinks that stay inside ``base``."""
-    out: list[SourceFile] = []
-    top_st = os.stat(top)
-    stack: list[tuple[str, str, frozenset[tuple[int, int]]]] = [
-        (top, prefix, frozenset({(top_st.st_dev, top_st.st_ino)}))
-    ]
-    base_slash = base.rstrip("/") + "/"
-    while stack:
-        path, rel_prefix, ancestors = stack.pop()
-        try:
-            entries = list(os.scandir(path))
-        except OSError as e:
-            raise as_source_error(e, path) from e
-        for entry in entries:
-            rel = rel_prefix + entry.name
-            try:
-                if entry.is_symlink():
-                    real = os.path.realpath(entry.path)
-                    if not real.startswith(base_slash):
-                        raise UnsafePathError(
-                            f"refusing {entry.path}: it is a symlink to {real}, outside the source {base}; "
-                            "copy the target into the source or exclude the link with --exclude"
-                        )
-                    st = os.stat(entry.path)
-                else:
-                    st = entry.stat(follow_symlinks=False)
-            except UnsafePathError:
-                raise
-            except OSError as e:
-                if isinstance(e, FileNotFoundError):
-                    if not os.path.lexists(entry.path):
-                        continue  # removed (or renamed away) while the folder was listed: not part of this listing
-                    if entry.is_symlink():
-                        raise SourceError(f"{entry.path}: broken symlink to {os.readlink(entry.path)}") from None
-                raise as_source_error(e, entry.path) from e
-            if stat.S_ISDIR(st.st_mode):
-                key = (st.st_dev, st.st_ino)
-                if key in ancestors:
-                    raise SourceError(f"{entry.path}: symlink loop (it leads back to one of its parents)")
-                stack.append((entry.path, rel + "/", ancestors | {key}))
-            elif stat.S_ISREG(st.st_mode):
-                # a name from the directory has no "/" or NUL and is never "." or "..": only "\\" is left to refuse
-                out.append(SourceFile(validate_rel(rel) if "\\" in rel else rel, st.st_size, st.st_mtime_ns, "",
-                                      st.st_dev, st.st_ino))
-    return out
+    out.add(os.fsencode(validate_rel(rel)), st)

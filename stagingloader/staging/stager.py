@@ -18,13 +18,16 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..cache import leases, trust
 from ..cache.capacity import Tier, resolve_root
+from ..cache.columns import CHUNK_ROWS, DigestColumn, Int64Array, RowArray, StrColumn, digest_raw, join
 from ..cache.layout import DatasetDir, current_user, dataset_key, safe_join
 from ..cache.locking import DatasetLock
 from ..cache.manifest import Entry, Manifest
@@ -34,9 +37,10 @@ from ..units import human_bytes
 from .copier import Copier, CopySettings, Progress, as_root_error
 from .copyplan import CORRUPT, CopyPlan, make_plan
 from .incoming import Incoming
+from .listing import Listing, SourceFile
 from .result import StagedDataset, StageReport
 from .sharding import take_shard
-from .sources import Source, SourceFile
+from .sources import Source
 from .verify import check_fast, check_full
 
 log = logging.getLogger(__name__)
@@ -136,8 +140,8 @@ def open_run(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = No
     say = on_event or (lambda text: log.info("%s", text))
     t0 = time.perf_counter()
     source = Source(src, opts.storage_options)
-    listing = take_shard(source.listing(opts.include, opts.exclude), opts.shard)
-    total = sum(f.size for f in listing)
+    listing = Listing.of(take_shard(source.listing(opts.include, opts.exclude), opts.shard))
+    total = listing.total_bytes
     identity = source.identity() + _selection_suffix(opts)
     key = dataset_key(identity)
     needed = total if cache_limit is None else min(total, cache_limit)
@@ -179,7 +183,7 @@ class StageRun:
     """What one ``stage`` call works on: the source and its listing, the options, the tier and the dataset folder."""
 
     source: Source
-    listing: list[SourceFile]
+    listing: Listing
     opts: StageOptions
     tier: Tier
     why: str
@@ -221,7 +225,7 @@ def _use_read_only(run: StageRun) -> StagedDataset:
     plan = make_plan(run.listing, manifest, base_bad=_check_base(run, version, manifest, _expected_digests(source)))
     if not plan.up_to_date:
         raise RootError(f"the shared copy {ddir.path} ({version}) differs from {source.url} in "
-                        f"{len(plan.copy) + plan.removed} files and only its owner can update it; read the source "
+                        f"{len(plan.copy_rows) + plan.removed} files and only its owner can update it; read the source "
                         "directly, or ask for it to be staged again")
     run.say(f"using the shared copy {ddir.path} ({version}) read-only: its stager holds the lease")
     report = _report(run, plan, manifest, version, copier=None)
@@ -246,10 +250,11 @@ class LockedPlan:
 
     base_version: str | None
     base: Manifest | None
-    expected: dict[str, str]
+    expected: Mapping[str, str]  #: path -> digest of the source manifest (a view of ``source_manifest``), or {}
     incoming: Incoming
     done: dict[str, Entry]
     plan: CopyPlan
+    source_manifest: Manifest | None = None
 
 
 def plan_locked(run: StageRun, identity: str) -> LockedPlan:
@@ -258,13 +263,14 @@ def plan_locked(run: StageRun, identity: str) -> LockedPlan:
     ddir.sweep_deleting()
     _record_dataset(run, identity)
     base_version, base = _load_base(ddir, run.say)
-    expected = _expected_digests(run.source)
-    base_bad = _check_base(run, base_version, base, expected)
+    source_manifest = _expected_digests(run.source)
+    base_bad = _check_base(run, base_version, base, source_manifest)
     incoming = Incoming(ddir.incoming, fsync=run.fsync)
-    done, stray = incoming.load({f.rel: f for f in run.listing}) if ddir.incoming.exists() else ({}, 0)
+    done, stray = incoming.load(run.listing.by_path()) if ddir.incoming.exists() else ({}, 0)
     plan = make_plan(run.listing, base, base_bad=base_bad, incoming=done, free_bytes=run.tier.budget + stray)
+    expected = source_manifest.digests(incoming.row_of) if source_manifest is not None else {}
     return LockedPlan(base_version=base_version, base=base, expected=expected, incoming=incoming, done=done,
-                      plan=plan)
+                      plan=plan, source_manifest=source_manifest)
 
 
 def _stage_locked(run: StageRun, *, identity: str, callback: Any, on_file: Callable[[int], None] | None,
@@ -311,7 +317,7 @@ def _dry_run(run: StageRun) -> StagePlan:
     base_version, base = _load_base(ddir, run.say, publish=False) if ddir.path.is_dir() else (None, None)
     base_bad = _check_base(run, base_version, base, _expected_digests(run.source))
     incoming = Incoming(ddir.incoming, fsync=False)
-    done, stray = incoming.load({f.rel: f for f in run.listing}) if ddir.incoming.is_dir() else ({}, 0)
+    done, stray = incoming.load(run.listing.by_path()) if ddir.incoming.is_dir() else ({}, 0)
     plan = make_plan(run.listing, base, base_bad=base_bad, incoming=done, free_bytes=run.tier.budget + stray)
     return StagePlan(run.source.url, str(run.tier.path), run.why, str(ddir.path), plan)
 
@@ -326,7 +332,7 @@ def _record_dataset(run: StageRun, identity: str) -> None:
 
 
 def _check_base(run: StageRun, base_version: str | None, base: Manifest | None,
-                expected: dict[str, str]) -> dict[str, str]:
+                expected: Manifest | None) -> dict[str, str]:
     """Files of the published version that must not be reused: bad on disk, queued for repair, or not what
     the source manifest says."""
     if base is None or base_version is None:
@@ -338,9 +344,12 @@ def _check_base(run: StageRun, base_version: str | None, base: Manifest | None,
         base_bad = check_fast(data, base)
     for rel in run.ddir.read_repairs().get(base_version, []):
         base_bad.setdefault(rel, CORRUPT)
-    for rel, digest in zip(base.path, base.digest):
-        if expected.get(rel, digest) != digest:
-            base_bad.setdefault(rel, CORRUPT)
+    if expected is not None:  # the source manifest's digests, compared column-wise
+        rows = join(base.path, expected.path)
+        known = np.flatnonzero(rows >= 0)
+        differ = (base.digest.array[known] != expected.digest.array[rows[known]]).any(axis=1)
+        for i in known[differ].tolist():
+            base_bad.setdefault(base.path[i], CORRUPT)
     return base_bad
 
 
@@ -371,14 +380,14 @@ def take_lease(run: StageRun, version: str, holder_pid: int | None) -> str | Non
 
 
 def _report(run: StageRun, plan: CopyPlan, manifest: Manifest, version: str, copier: Copier | None) -> StageReport:
-    copied = plan.copy if not plan.up_to_date else ()
     return StageReport(
         source=run.source.url, staging_root=str(run.tier.path), tier=run.tier.kind, root_reason=run.why,
         dataset_dir=str(run.ddir.path), version=version, files=len(manifest), bytes=manifest.total_bytes,
-        copied_files=len(copied), copied_bytes=copier.bytes_copied if copier else 0,
+        copied_files=len(plan.copy_rows) if not plan.up_to_date else 0,
+        copied_bytes=copier.bytes_copied if copier else 0,
         resumed_bytes=copier.bytes_resumed if copier else 0,
-        reused_files=plan.reused_files, linked_files=len(plan.link),
-        repaired_files=sum(1 for _, r in copied if r in ("missing", "corrupt")),
+        reused_files=plan.reused_files, linked_files=len(plan.link_rows),
+        repaired_files=plan.repaired_files if not plan.up_to_date else 0,
         removed_files=plan.removed, seconds=time.perf_counter() - run.t0, new_version=not plan.up_to_date,
         reasons=dict(plan.reasons),
     )
@@ -401,20 +410,20 @@ def _load_base(ddir: DatasetDir, say: Callable[[str], None], *,
         return None, None
 
 
-def _expected_digests(source: Source) -> dict[str, str]:
-    m = source.read_manifest()
-    return dict(zip(m.path, m.digest)) if m is not None else {}
+def _expected_digests(source: Source) -> Manifest | None:
+    """The source's own manifest (``stagingloader manifest``), whose digests every copy must match."""
+    return source.read_manifest()
 
 
 def _build_version(run: StageRun, lp: LockedPlan, progress: Progress, version: str) -> tuple[Manifest, Copier]:
     """Copy what the plan says into ``incoming``, write its manifest, and publish it as ``version``."""
     incoming = lp.incoming
-    to_copy = begin_version(run, lp)
-    progress.set_size(sum(f.size for f in to_copy))
+    to_copy = begin_version_rows(run, lp)
+    progress.set_size(int(run.listing.size[to_copy].sum()))
     settings = CopySettings(workers=run.workers, fsync=incoming.fsync, processes=run.opts.workers)
     copier = Copier(run.source, incoming, settings, expected=lp.expected, progress=progress, stop=threading.Event())
     try:
-        copier.run(to_copy)
+        copier.run(incoming.track(run.listing, to_copy))
     except BaseException:
         with contextlib.suppress(OSError):  # e.g. a full disk: the copier's error is the one to report
             incoming.close()
@@ -423,8 +432,13 @@ def _build_version(run: StageRun, lp: LockedPlan, progress: Progress, version: s
 
 
 def begin_version(run: StageRun, lp: LockedPlan) -> list[SourceFile]:
+    """:func:`begin_version_rows`, as the files themselves (a streaming run schedules them by name)."""
+    return list(run.listing.iter_rows(begin_version_rows(run, lp)))
+
+
+def begin_version_rows(run: StageRun, lp: LockedPlan) -> RowArray:
     """Ready ``incoming`` for the copy: sweep what an interrupted run left, drop stale files, start the journal,
-    hard-link unchanged files from the published version.  Returns the files left to copy, in plan order."""
+    hard-link unchanged files from the published version.  Returns the listing rows left to copy, in order."""
     ddir, plan, incoming = run.ddir, lp.plan, lp.incoming
     if ddir.incoming.exists():
         incoming.sweep(lp.done)
@@ -432,9 +446,11 @@ def begin_version(run: StageRun, lp: LockedPlan) -> list[SourceFile]:
     incoming.path.mkdir(mode=0o755, exist_ok=True)
     incoming.rewrite_journal(list(plan.keep))
     incoming.open()
-    to_copy = [f for f, _ in plan.copy]
-    if plan.link and lp.base_version is not None:
-        to_copy += _link_unchanged(ddir.version_dir(lp.base_version) / "data", incoming, plan.link, run.listing)
+    to_copy = plan.copy_rows
+    if len(plan.link_rows) and lp.base_version is not None and plan.base is not None:
+        fallback = _link_unchanged(ddir.version_dir(lp.base_version) / "data", incoming, plan)
+        if len(fallback):
+            to_copy = np.sort(np.concatenate([to_copy, fallback]))
     return to_copy
 
 
@@ -447,12 +463,7 @@ def publish_version(run: StageRun, lp: LockedPlan, version: str,
         incoming.close()
     except OSError as e:  # the journal's last lines did not fit: a full disk, said as such
         raise as_root_error(e) from e
-    entries = {e.path: e for e in lp.plan.keep}
-    entries.update((e.path, e) for e in incoming.entries)
-    missing = [f.rel for f in run.listing if f.rel not in entries]
-    if missing:
-        raise InternalError(f"{len(missing)} files were not staged, e.g. {missing[0]}")
-    manifest = Manifest.from_entries(run.source.url, list(entries.values()))
+    manifest = _new_manifest(run, lp.plan, incoming)
     try:
         manifest.save(ddir.incoming / "manifest.json", fsync=incoming.fsync)
     except OSError as e:
@@ -467,30 +478,78 @@ def publish_version(run: StageRun, lp: LockedPlan, version: str,
     return manifest
 
 
-def _link_unchanged(base_data: Path, incoming: Incoming, link: Sequence[Entry],
-                    listing: Sequence[SourceFile]) -> list[SourceFile]:
-    """Hard-link unchanged files from the published version; return those that must be copied."""
-    fallback: list[str] = []
-    linked: list[Entry] = []
-    for e in link:
-        dest = safe_join(incoming.data, e.path)
-        incoming.ensure_parent(dest)
-        try:
-            os.link(safe_join(base_data, e.path), dest, follow_symlinks=False)
-        except FileExistsError:
-            os.unlink(dest)
-            os.link(safe_join(base_data, e.path), dest, follow_symlinks=False)
-        except OSError as err:
-            if err.errno not in (errno.EMLINK, errno.EPERM, errno.EXDEV, errno.ENOTSUP):
-                raise
-            fallback.append(e.path)
-            continue
-        linked.append(e)
-    incoming.record_many(linked)
-    if not fallback:
-        return []
-    wanted = set(fallback)
-    return [f for f in listing if f.rel in wanted]
+def _new_manifest(run: StageRun, plan: CopyPlan, incoming: Incoming) -> Manifest:
+    """The new version's manifest, column by column: the listing's paths; each row's size, mtime, etag and
+    digest from the published version (hard links), the interrupted run (kept) or this run (copied).  The
+    listing's size and mtime arrays and the run's digest array are used as they are where nothing differs."""
+    listing = run.listing
+    n = len(listing)
+    rec = incoming.recorded()
+    digest = rec.digest if len(rec.digest) == n else np.zeros((n, 16), dtype=np.uint8)
+    have = rec.have.copy() if len(rec.have) == n else np.zeros(n, dtype=bool)
+    size, mtime = listing.size, listing.mtime_ns
+    changed: dict[int, tuple[int, int, str]] = {}
+    base, lrows, brows = plan.base, plan.link_rows, plan.link_base_rows
+    if base is not None and len(lrows):
+        fresh = ~have[lrows]  # a row that fell back to a copy keeps what the copy recorded
+        lrows, brows = lrows[fresh], brows[fresh]
+        digest[lrows] = base.digest.array[brows]
+        have[lrows] = True
+        differ = (base.size[brows] != size[lrows]) | (base.mtime_ns[brows] != mtime[lrows])
+        if base.etag.any_nonempty() or listing.etag.any_nonempty():
+            differ |= np.fromiter((base.etag.raw(b) != listing.etag.raw(r) for r, b in zip(lrows.tolist(),
+                                                                                             brows.tolist())),
+                                  dtype=bool, count=len(lrows))
+        for r, b in zip(lrows[differ].tolist(), brows[differ].tolist()):  # an object's mtime moved: the base's
+            changed[r] = (int(base.size[b]), int(base.mtime_ns[b]), base.etag[b])
+    for e in [*plan.keep, *rec.extra]:
+        row = listing.find(e.path)
+        if row >= 0 and not (len(rec.have) == n and rec.have[row]):
+            digest[row] = np.frombuffer(digest_raw(e.digest), np.uint8)
+            have[row] = True
+            changed[row] = (e.size, e.mtime_ns, e.etag)
+    changed.update(rec.changed)
+    if not bool(have.all()):
+        missing = np.flatnonzero(~have)
+        raise InternalError(f"{len(missing)} files were not staged, e.g. {listing.path[int(missing[0])]}")
+    etag = listing.etag
+    if changed:
+        size, mtime = size.copy(), mtime.copy()
+        for r, (s, m, _t) in changed.items():
+            size[r], mtime[r] = s, m
+        if any(listing.etag[r] != t for r, (_s, _m, t) in changed.items()):
+            column = list(listing.etag)
+            for r, (_s, _m, t) in changed.items():
+                column[r] = t
+            etag = StrColumn.from_strs(column)
+    return Manifest(run.source.url, listing.path, size, mtime, etag, DigestColumn(digest), sorted_by_bytes=True)
+
+
+def _link_unchanged(base_data: Path, incoming: Incoming, plan: CopyPlan) -> Int64Array:
+    """Hard-link unchanged files from the published version; return the listing rows that must be copied."""
+    base = plan.base
+    assert base is not None
+    fallback: list[int] = []
+    for start in range(0, len(plan.link_rows), CHUNK_ROWS):
+        linked: list[Entry] = []
+        rows = plan.link_rows[start:start + CHUNK_ROWS].tolist()
+        for row, brow in zip(rows, plan.link_base_rows[start:start + CHUNK_ROWS].tolist()):
+            rel = base.path[brow]
+            dest = safe_join(incoming.data, rel)
+            incoming.ensure_parent(dest)
+            try:
+                os.link(safe_join(base_data, rel), dest, follow_symlinks=False)
+            except FileExistsError:
+                os.unlink(dest)
+                os.link(safe_join(base_data, rel), dest, follow_symlinks=False)
+            except OSError as err:
+                if err.errno not in (errno.EMLINK, errno.EPERM, errno.EXDEV, errno.ENOTSUP):
+                    raise
+                fallback.append(row)
+                continue
+            linked.append(base.entry(brow))
+        incoming.journal(linked)
+    return np.array(fallback, dtype=np.int64)
 
 
 def _remove_unleased(ddir: DatasetDir, keep: str) -> None:

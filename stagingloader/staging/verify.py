@@ -9,26 +9,38 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 from .. import digest as dg
+from ..cache.columns import join
 from ..cache.layout import DatasetDir, find_dataset_dir
 from ..cache.manifest import Manifest
 from ..errors import ManifestError
 from .copyplan import CORRUPT, MISSING
 from .result import StagedDataset, VerifyReport
+from .scanning import scan_staged_tree
 
 
 def check_fast(data: Path, manifest: Manifest) -> dict[str, str]:
-    """Staged files whose size or mtime differ from the manifest (no hashing): rel -> reason."""
+    """Staged files whose size or mtime differ from the manifest (no hashing): rel -> reason.
+
+    One sorted scan of the staged tree (``os.scandir``, never through a link) compared with the manifest's
+    columns: row to row when the same paths are there, which is the common case, else joined by path."""
+    found = scan_staged_tree(data)
+    if found.path.same_as(manifest.path):  # every file there, nothing else: whole columns compared
+        mtime = manifest.mtime_ns
+        wrong = (found.size != manifest.size) | ((mtime != 0) & (found.mtime_ns != mtime))
+        return {manifest.path[i]: CORRUPT for i in np.flatnonzero(wrong).tolist()}
+    rows = join(manifest.path, found.path)
+    present = rows >= 0
+    r = rows[present]
+    size, mtime = manifest.size[present], manifest.mtime_ns[present]
+    wrong = (found.size[r] != size) | ((mtime != 0) & (found.mtime_ns[r] != mtime))
     bad: dict[str, str] = {}
-    base = str(data) + "/"
-    for rel, size, mtime in zip(manifest.path, manifest.size, manifest.mtime_ns):
-        try:
-            st = os.stat(base + rel, follow_symlinks=False)
-        except OSError:
-            bad[rel] = MISSING
-            continue
-        if st.st_size != size or (mtime and st.st_mtime_ns != mtime):
-            bad[rel] = CORRUPT
+    for i in np.flatnonzero(~present).tolist():
+        bad[manifest.path[i]] = MISSING
+    for i in np.flatnonzero(present)[wrong].tolist():
+        bad[manifest.path[i]] = CORRUPT
     return bad
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stagingloader.cache.manifest import Entry, Manifest
+from stagingloader import digest as dg
+from stagingloader.cache.manifest import Entry, Manifest, read_header
 from stagingloader.errors import ManifestError
 
 
@@ -55,4 +56,43 @@ def test_bad_manifests_are_refused(tmp_path: Path, mutate, needle: str) -> None:
 def test_truncated_manifest(tmp_path: Path) -> None:
     (tmp_path / "m.json").write_bytes(_m(10).to_json()[:-20])
     with pytest.raises(ManifestError, match="truncated"):
+        Manifest.load(tmp_path / "m.json")
+
+
+def test_version_1_still_loads_and_version_2_is_what_save_writes(tmp_path: Path) -> None:
+    """Caches and source manifests written before version 2 keep working: a version-1 JSON document loads
+    into the same columns; a save writes version 2 (header line + binary columns), which loads back equal."""
+    m = _m(500)
+    (tmp_path / "v1.json").write_bytes(m.to_json())
+    v1 = Manifest.load(tmp_path / "v1.json")
+    assert json.loads(m.to_json())["version"] == 1
+    assert v1 == m and list(v1) == list(m) and v1.dataset_digest == m.dataset_digest
+    v1.save(tmp_path / "v2.json")
+    raw = (tmp_path / "v2.json").read_bytes()
+    header = json.loads(raw.split(b"\n", 1)[0])
+    assert header["version"] == 2 and header["complete"] is True and header["files"] == 500
+    assert header["dataset_digest"] == m.dataset_digest and read_header(tmp_path / "v2.json") == header
+    v2 = Manifest.load(tmp_path / "v2.json")
+    assert v2 == m and v2.get("f0000042") == m.get("f0000042") and v2.total_bytes == m.total_bytes
+
+
+def test_the_dataset_digest_is_the_one_of_version_1() -> None:
+    """The whole-dataset digest is computed from the columns as it was from the lists (same value)."""
+    m = Manifest.from_entries("s", [Entry("é/\udcff", 3, 1, "", "xxh3_128:" + "ab" * 16),
+                                    Entry("a", 0, 1, "e", "xxh3_128:" + "0" * 32)])
+    assert m.dataset_digest == dg.combine(f"{p}\0{s}\0{d}" for p, s, d in zip(m.path, m.size, m.digest))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "header"])
+def test_a_damaged_version_2_manifest_is_refused(tmp_path: Path, damage: str) -> None:
+    _m(100).save(tmp_path / "m.json")
+    raw = bytearray((tmp_path / "m.json").read_bytes())
+    if damage == "truncate":
+        raw = raw[:-7]
+    elif damage == "flip":
+        raw[-3] ^= 0xFF
+    else:
+        raw[: raw.index(b"\n")] = raw[: raw.index(b"\n")].replace(b'"complete":true', b'"complete":false')
+    (tmp_path / "m.json").write_bytes(bytes(raw))
+    with pytest.raises(ManifestError, match=r"truncated or corrupt|incomplete"):
         Manifest.load(tmp_path / "m.json")

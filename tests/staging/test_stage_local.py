@@ -39,8 +39,10 @@ def test_manifest_on_disk_is_complete_and_reloadable(src: Path, root: Path) -> N
     ds = sl.stage(str(src), root=str(root))
     m = sl.Manifest.load(ds.root.parent / "manifest.json")
     assert m.path == list(ds.files) and m.digest == ds.manifest.digest
-    doc = json.loads((ds.root.parent / "manifest.json").read_text())
-    assert doc["complete"] is True and doc["files"] == len(m) and doc["dataset_digest"] == m.dataset_digest
+    # version 2 on disk: a header line of JSON, then the binary columns
+    doc = json.loads((ds.root.parent / "manifest.json").read_bytes().split(b"\n", 1)[0])
+    assert doc["version"] == 2 and doc["complete"] is True
+    assert doc["files"] == len(m) and doc["dataset_digest"] == m.dataset_digest
 
 
 def test_second_stage_reuses_without_copying(src: Path, root: Path) -> None:

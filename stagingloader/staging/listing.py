@@ -1,0 +1,477 @@
+"""A source's listing in columns: relative paths (one blob), sizes, mtimes, etags, devices and inodes.
+
+:class:`Listing` is what ``Source.listing()`` returns: sorted by the UTF-8 bytes of the relative path
+(code-point order, as Python sorts ``str``), held as arrays, and read as a sequence of :class:`SourceFile`
+made on access, so the copier and everything that iterates a listing is unchanged while a listing of
+10,000,000 files stays a few hundred MB.  :func:`scan_local` walks a local tree straight into the columns,
+already in order: each folder's entries sorted by name (a folder's name with a ``/`` appended, as it
+appears in its files' paths), folders descended in place.
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+import os
+import stat
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+import numpy as np
+import numpy.typing as npt
+
+from ..cache.columns import CHUNK_ROWS, Int64Array, RowArray, StrBuilder, StrColumn, as_int64, encode, int_column
+from ..errors import SourceError, UnsafePathError
+
+
+@dataclass(frozen=True, slots=True)
+class SourceFile:
+    """One file of a listing: its relative path under the source, size and fingerprint."""
+
+    rel: str
+    size: int
+    mtime_ns: int
+    etag: str = ""
+    dev: int = 0  #: a local file's device and inode as listed: the copier refuses another file under its name
+    ino: int = 0
+
+
+class Listing(Sequence[SourceFile]):
+    """Files of a source in columns, sorted by path bytes; ``listing[i]`` is a :class:`SourceFile`."""
+
+    __slots__ = ("dev_index", "dev_table", "etag", "ino", "mtime_ns", "path", "size")
+
+    def __init__(self, path: StrColumn, size: Int64Array, mtime_ns: Int64Array, etag: StrColumn | None = None,
+                 dev: Int64Array | tuple[Int64Array, npt.NDArray[np.uint16]] | None = None,
+                 ino: Int64Array | None = None) -> None:
+        n = len(path)
+        self.path = path
+        self.size = size
+        self.mtime_ns = mtime_ns
+        self.etag = etag if etag is not None else StrColumn.empty(n)
+        if dev is None:
+            dev = np.zeros(n, dtype=np.int64)
+        if isinstance(dev, tuple):  # a folder's files share a device: a table of devices, an index per file
+            self.dev_table, self.dev_index = dev
+        else:
+            table, index = np.unique(dev, return_inverse=True)
+            self.dev_table, self.dev_index = table.astype(np.int64), index.reshape(-1).astype(np.uint16)
+        self.ino = ino if ino is not None else np.zeros(n, dtype=np.int64)
+
+    @classmethod
+    def from_files(cls, files: Iterable[SourceFile], *, presorted: bool = False) -> Listing:
+        """Columns from SourceFile objects (remote listings, tests), sorted by path bytes."""
+        rows = list(files)
+        if not presorted:
+            rows.sort(key=lambda f: encode(f.rel))
+        etags = [f.etag for f in rows]
+        return cls(StrColumn.from_strs(f.rel for f in rows), as_int64([f.size for f in rows]),
+                   as_int64([f.mtime_ns for f in rows]),
+                   StrColumn.from_strs(etags) if any(etags) else StrColumn.empty(len(rows)),
+                   as_int64([f.dev for f in rows]), as_int64([f.ino for f in rows]))
+
+    @classmethod
+    def of(cls, files: Sequence[SourceFile]) -> Listing:
+        """``files`` as a Listing (itself if it is one)."""
+        return files if isinstance(files, Listing) else cls.from_files(files)
+
+    def __len__(self) -> int:
+        return len(self.path)
+
+    @property
+    def dev(self) -> Int64Array:
+        """Each file's device (made from the table: 8 bytes a file, for callers that want the whole column)."""
+        return self.dev_table[self.dev_index]
+
+    def row(self, i: int) -> SourceFile:
+        return SourceFile(self.path[i], int(self.size[i]), int(self.mtime_ns[i]), self.etag[i],
+                          int(self.dev_table[self.dev_index[i]]), int(self.ino[i]))
+
+    @overload
+    def __getitem__(self, i: int) -> SourceFile: ...
+    @overload
+    def __getitem__(self, i: slice) -> Listing: ...
+    def __getitem__(self, i: int | slice) -> SourceFile | Listing:
+        if isinstance(i, slice):
+            return self.take(np.arange(*i.indices(len(self)), dtype=np.int64))
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.row(i)
+
+    def __iter__(self) -> Iterator[SourceFile]:
+        return self.iter_rows(None)
+
+    def iter_rows(self, rows: RowArray | None, on_row: Callable[[str, int], None] | None = None,
+                  ) -> Iterator[SourceFile]:
+        """SourceFile objects for ``rows`` (all when None), made a chunk at a time; ``on_row(rel, row)`` sees each."""
+        n = len(self) if rows is None else len(rows)
+        has_etag = self.etag.any_nonempty()
+        blob = memoryview(self.path.blob)
+        offsets = self.path.offsets
+        for start in range(0, n, CHUNK_ROWS):
+            part = np.arange(start, min(n, start + CHUNK_ROWS)) if rows is None else rows[start:start + CHUNK_ROWS]
+            rels = (bytes(blob[a:b]).decode("utf-8", "surrogateescape")
+                    for a, b in zip(offsets[part].tolist(), offsets[part + 1].tolist()))
+            etags: Iterable[str] = (self.etag[r] for r in part.tolist()) if has_etag else itertools.repeat("")
+            for r, rel, size, mtime, etag, dev, ino in zip(part.tolist(), rels, self.size[part].tolist(),
+                                                           self.mtime_ns[part].tolist(), etags,
+                                                           self.dev_table[self.dev_index[part]].tolist(),
+                                                           self.ino[part].tolist()):
+                if on_row is not None:
+                    on_row(rel, r)
+                yield SourceFile(rel, size, mtime, etag, dev, ino)
+
+    def take(self, rows: Int64Array) -> Listing:
+        return Listing(self.path.take(rows), self.size[rows], self.mtime_ns[rows],
+                       self.etag.take(rows) if self.etag.any_nonempty() else StrColumn.empty(len(rows)),
+                       (self.dev_table, self.dev_index[rows]), self.ino[rows])
+
+    def mask(self, keep: np.ndarray) -> Listing:
+        return self if bool(keep.all()) else self.take(np.flatnonzero(keep).astype(np.int64))
+
+    def find(self, rel: str) -> int:
+        return self.path.find(rel)
+
+    @classmethod
+    def concat(cls, parts: Sequence[Listing]) -> Listing:
+        """The listings one after the other (their columns concatenated; nothing per file)."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(StrColumn.concat([p.path for p in parts]), _cat([p.size for p in parts]),
+                   _cat([p.mtime_ns for p in parts]), StrColumn.concat([p.etag for p in parts]),
+                   _cat_devs(parts), _cat([p.ino for p in parts]))
+
+    def by_path(self) -> Mapping[str, SourceFile]:
+        """A read-only path -> SourceFile view (binary search; nothing built per file)."""
+        return _ByPath(self)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.size.sum())
+
+    def __repr__(self) -> str:
+        return f"Listing({len(self)} files, {self.total_bytes} bytes)"
+
+
+def _cat_devs(parts: Sequence[Listing]) -> tuple[Int64Array, npt.NDArray[np.uint16]]:
+    table = np.unique(_cat([p.dev_table for p in parts]))
+    index = [np.searchsorted(table, p.dev_table).astype(np.uint16)[p.dev_index] for p in parts]
+    return table.astype(np.int64), np.concatenate(index) if index else np.zeros(0, dtype=np.uint16)
+
+
+def _cat(arrays: Sequence[Int64Array]) -> Int64Array:
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+
+
+class _ByPath(Mapping[str, SourceFile]):
+    def __init__(self, listing: Listing) -> None:
+        self.listing = listing
+
+    def __getitem__(self, rel: str) -> SourceFile:
+        i = self.listing.find(rel)
+        if i < 0:
+            raise KeyError(rel)
+        return self.listing.row(i)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.listing.path)
+
+    def __len__(self) -> int:
+        return len(self.listing)
+
+
+class ListingBuilder:
+    """Appends scanned files to growing columns (no object per file), then freezes them into a :class:`Listing`."""
+
+    def __init__(self) -> None:
+        self.paths = StrBuilder()
+        self.size = array.array("q")
+        self.mtime = array.array("q")
+        self.dev = array.array("H")  # an index into devs
+        self.devs: dict[int, int] = {}
+        self.ino = array.array("q")
+
+    def add(self, rel: bytes, st: os.stat_result) -> None:
+        self.paths.add(rel)
+        self.size.append(st.st_size)
+        self.mtime.append(st.st_mtime_ns)
+        self.dev.append(self.dev_of(st.st_dev))
+        self.ino.append(st.st_ino)
+
+    def dev_of(self, dev: int) -> int:
+        """The index of a device in this listing's table (at most 65,536 devices in one source)."""
+        i = self.devs.get(dev)
+        if i is None:
+            if len(self.devs) == 1 << 16:
+                raise SourceError("the source spans more than 65,536 file systems; stage its parts one by one")
+            i = self.devs[dev] = len(self.devs)
+        return i
+
+    def listing(self) -> Listing:
+        index = np.frombuffer(self.dev, dtype=np.uint16) if len(self.dev) else np.zeros(0, dtype=np.uint16)
+        table = np.array(list(self.devs), dtype=np.int64)
+        return Listing(self.paths.column(), int_column(self.size), int_column(self.mtime), None,
+                       (table, index), int_column(self.ino))
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+Item = Any  #: a walk item: one ``(name, entry)``, or a list of them (plain files next to each other)
+
+
+def _sorted_entries(fd: int, only: Collection[bytes] | None = None, *, follow: bool = True) -> list[Item]:
+    """A folder's entries (by its descriptor: each ``stat`` is then an ``fstatat`` of a name, no path walk) with
+    their names as bytes, in the order their paths sort (a folder as ``name/``), and the plain files between
+    two folders (no link, by the entry's type) grouped in lists: they are listed in one go."""
+    found = list(os.scandir(fd))  # read to the end: the iterator closes itself
+    named = [(e.name.encode("utf-8", "surrogateescape"), e) for e in found]  # os.fsencode, without a call each
+    if only is not None:
+        named = [t for t in named if t[0] in only]
+    try:
+        rows = [(n + b"/" if e.is_dir(follow_symlinks=follow) else n, n, e) for n, e in named]
+    except OSError:  # a link that loops: not a folder here; the walk's stat names it
+        rows = [(n + b"/" if _is_dir(e, follow) else n, n, e) for n, e in named]
+    rows.sort(key=lambda r: r[0])
+    if not any([key[-1] == 47 or e.is_symlink() for key, _n, e in rows]):  # a folder of plain files only
+        return [[(n, e) for _k, n, e in rows]] if rows else []
+    items: list[Item] = []
+    run: list[tuple[bytes, os.DirEntry[str]]] = []
+    for key, name, entry in rows:
+        if key[-1] == 47 or entry.is_symlink():  # b"/": a folder
+            if run:
+                items.append(run)
+                run = []
+            items.append((name, entry))
+        else:
+            run.append((name, entry))
+    if run:
+        items.append(run)
+    return items
+
+
+def _is_dir(entry: os.DirEntry[str], follow: bool) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=follow)
+    except OSError:
+        return False
+
+
+def _stat_run(run: list[tuple[bytes, os.DirEntry[str]]]) -> list[os.stat_result] | None:
+    """``stat`` of a run of plain files, or None if one of them failed (the walk then takes them one by one)."""
+    try:
+        return [e.stat(follow_symlinks=False) for _, e in run]
+    except OSError:
+        return None
+
+
+def _add_run(out: ListingBuilder, rel_prefix: bytes, run: list[tuple[bytes, os.DirEntry[str]]],
+             sts: list[os.stat_result], *, keep_special: bool) -> bytes:
+    """Append a run of files to the columns in one go; return the bytes of their paths.  Anything but a regular
+    file is left out, or with ``keep_special`` listed with size and mtime -1."""
+    is_reg = stat.S_ISREG
+    if not all(map(is_reg, [st.st_mode for st in sts])):
+        if keep_special:
+            sts = list(sts)
+        else:
+            pairs = [(r, st) for r, st in zip(run, sts, strict=True) if is_reg(st.st_mode)]
+            run, sts = [p[0] for p in pairs], [p[1] for p in pairs]
+    names = [rel_prefix + n for n, _ in run]
+    joined = b"".join(names)
+    ends = itertools.accumulate(map(len, names), initial=len(out.paths.blob))
+    next(ends)
+    out.paths.blob += joined
+    out.paths.ends.extend(ends)
+    devs, dev_of = out.devs, out.dev_of
+    if keep_special:
+        out.size.extend([st.st_size if is_reg(st.st_mode) else -1 for st in sts])
+        out.mtime.extend([st.st_mtime_ns if is_reg(st.st_mode) else -1 for st in sts])
+    else:
+        out.size.extend([st.st_size for st in sts])
+        out.mtime.extend([st.st_mtime_ns for st in sts])
+    out.dev.extend([devs[st.st_dev] if st.st_dev in devs else dev_of(st.st_dev) for st in sts])
+    out.ino.extend([st.st_ino for st in sts])
+    return joined
+
+
+def scan_local(top: str, base: str, prefix: str, out: ListingBuilder, *, skip_top: bytes = b"",
+               on_error: Callable[[OSError, str], Exception], only: Collection[bytes] | None = None) -> None:
+    """Walk ``top`` (a real path inside ``base``) into ``out`` in sorted order, following symlinks that stay
+    inside ``base``.  ``skip_top`` names a file of ``top`` itself left out (the source manifest); ``only``, if
+    given, the entries of ``top`` to walk (a worker's share of a parallel scan).
+
+    The loop is the listing's hot path (one ``stat`` per file): regular files go straight into the columns."""
+    bbase = os.fsencode(base).rstrip(b"/") + b"/"
+    stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], bytes, bytes, int, frozenset[tuple[int, int]]]] = []
+    try:
+        _push_dir(stack, os.fsencode(top), os.fsencode(prefix), frozenset(), only, on_error)
+        _walk_local(stack, bbase, base, skip_top, out, on_error)
+    finally:
+        for frame in stack:
+            os.close(frame[3])
+
+
+def _push_dir(stack: list[Any], path: bytes, rel_prefix: bytes, ancestors: frozenset[tuple[int, int]],
+              only: Collection[bytes] | None, on_error: Callable[[OSError, str], Exception]) -> None:
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError as e:
+        raise on_error(e, os.fsdecode(path)) from e
+    try:
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        if key in ancestors:
+            raise SourceError(f"{os.fsdecode(path)}: symlink loop (it leads back to one of its parents)")
+        entries = _sorted_entries(fd, only)
+    except OSError as e:
+        os.close(fd)
+        raise on_error(e, os.fsdecode(path)) from e
+    except BaseException:
+        os.close(fd)
+        raise
+    stack.append((iter(entries), path, rel_prefix, fd, ancestors | {key}))
+
+
+def _walk_local(stack: list[Any], bbase: bytes, base: str, skip_top: bytes, out: ListingBuilder,
+                on_error: Callable[[OSError, str], Exception]) -> None:
+    blob, ends = out.paths.blob, out.paths.ends
+    add_end, add_size, add_mtime, add_dev, add_ino = (ends.append, out.size.append, out.mtime.append,
+                                                       out.dev.append, out.ino.append)
+    devs, dev_of = out.devs, out.dev_of
+    is_reg, is_dir = stat.S_ISREG, stat.S_ISDIR
+    while stack:
+        entries, path, rel_prefix, _fd, ancestors = stack[-1]
+        for item in entries:
+            if isinstance(item, list):
+                if skip_top and len(stack) == 1:
+                    item = [t for t in item if t[0] != skip_top]
+                sts = _stat_run(item)
+                if sts is None:  # one of them failed: one by one, each error said as it always was
+                    stack[-1] = (itertools.chain(item, entries), *stack[-1][1:])
+                    break
+                if b"\\" in _add_run(out, rel_prefix, item, sts, keep_special=False):
+                    bad = next(n for n, _ in item if b"\\" in rel_prefix + n)
+                    _refuse_backslash(rel_prefix + bad)
+                continue
+            name, entry = item
+            if skip_top and name == skip_top and len(stack) == 1:
+                continue
+            try:
+                if entry.is_symlink():
+                    full = path + b"/" + name
+                    st = _follow_inside(full, bbase, base)
+                else:
+                    st = entry.stat(follow_symlinks=False)
+            except UnsafePathError:
+                raise
+            except OSError as e:
+                full = path + b"/" + name
+                if isinstance(e, FileNotFoundError):
+                    if not os.path.lexists(full):
+                        continue  # removed (or renamed away) while the folder was listed: not part of this listing
+                    if entry.is_symlink():
+                        raise SourceError(f"{os.fsdecode(full)}: broken symlink to "
+                                          f"{os.fsdecode(os.readlink(full))}") from None
+                raise on_error(e, os.fsdecode(full)) from e
+            mode = st.st_mode
+            if is_reg(mode):
+                blob += rel_prefix
+                blob += name
+                add_end(len(blob))
+                add_size(st.st_size)
+                add_mtime(st.st_mtime_ns)
+                add_dev(devs[st.st_dev] if st.st_dev in devs else dev_of(st.st_dev))
+                add_ino(st.st_ino)
+                if b"\\" in name or b"\\" in rel_prefix:
+                    _refuse_backslash(rel_prefix + name)
+            elif is_dir(mode):
+                _push_dir(stack, path + b"/" + name, rel_prefix + name + b"/", ancestors, None, on_error)
+                break
+        else:
+            os.close(stack.pop()[3])
+
+
+def _follow_inside(full: bytes, bbase: bytes, base: str) -> os.stat_result:
+    real = os.path.realpath(full)
+    if not real.startswith(bbase):
+        raise UnsafePathError(
+            f"refusing {os.fsdecode(full)}: it is a symlink to {os.fsdecode(real)}, outside "
+            f"the source {base}; copy the target into the source or exclude the link with --exclude"
+        )
+    return os.stat(full)
+
+
+def _refuse_backslash(rel: bytes) -> None:
+    raise UnsafePathError(f"refusing unsafe name {os.fsdecode(rel)!r} in the source: it is empty, absolute or "
+                          "has NUL/\\")
+
+
+def scan_staged(top: str | os.PathLike[str], only: Collection[bytes] | None = None) -> Listing:
+    """A staged tree (ours, in the cache) in sorted columns, never through a link (folders are opened with
+    ``O_NOFOLLOW`` under their parent's descriptor): a link or anything but a regular file or folder is listed
+    with size -1, so that it matches no manifest entry's fingerprint."""
+    out = ListingBuilder()
+    try:
+        fd = os.open(top, _DIR_FLAGS | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return out.listing()
+    stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], bytes, int]] = []
+    try:
+        stack.append((iter(_sorted_entries(fd, only, follow=False)), b"", fd))
+        _walk_staged(stack, out)
+    finally:
+        for frame in stack:
+            os.close(frame[2])
+    return out.listing()
+
+
+def _walk_staged(stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], bytes, int]],
+                 out: ListingBuilder) -> None:
+    blob, ends = out.paths.blob, out.paths.ends
+    add_end, add_size, add_mtime, add_dev, add_ino = (ends.append, out.size.append, out.mtime.append,
+                                                       out.dev.append, out.ino.append)
+    devs, dev_of = out.devs, out.dev_of
+    is_reg = stat.S_ISREG
+    while stack:
+        entries, rel_prefix, fd = stack[-1]
+        for item in entries:
+            if isinstance(item, list):
+                sts = _stat_run(item)
+                if sts is None:  # one was removed meanwhile: one by one
+                    stack[-1] = (itertools.chain(item, entries), rel_prefix, fd)
+                    break
+                _add_run(out, rel_prefix, item, sts, keep_special=True)
+                continue
+            name, entry = item
+            if entry.is_dir(follow_symlinks=False):
+                try:
+                    child = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+                except FileNotFoundError:
+                    continue
+                try:
+                    children = _sorted_entries(child, follow=False)
+                except BaseException:
+                    os.close(child)
+                    raise
+                stack.append((iter(children), rel_prefix + name + b"/", child))
+                break
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            blob += rel_prefix
+            blob += name
+            add_end(len(blob))
+            if is_reg(st.st_mode):
+                add_size(st.st_size)
+                add_mtime(st.st_mtime_ns)
+            else:
+                add_size(-1)
+                add_mtime(-1)
+            add_dev(devs[st.st_dev] if st.st_dev in devs else dev_of(st.st_dev))
+            add_ino(st.st_ino)
+        else:
+            os.close(stack.pop()[2])

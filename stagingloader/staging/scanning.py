@@ -1,0 +1,91 @@
+"""Scan a large tree with several processes: the top folder's entries split in contiguous runs, one per process.
+
+A listing (and the fast check of a staged copy) costs one ``stat`` per file, and a Python loop around it
+holds one interpreter's lock: on a tree of many files the scan is CPU-bound in one process.  Here the
+sorted entries of the top folder are cut into runs of about equal count; this process walks the first run
+while forked workers walk the others, and the columns come back (pickled numpy arrays) to be concatenated
+in order, so the result is exactly the serial scan's.  Small trees (fewer top-level entries than
+:data:`MIN_ENTRIES`) and one-core machines scan in this process: a fork costs more than it saves there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+
+from .listing import Listing, ListingBuilder, scan_local, scan_staged
+from .retry import as_source_error
+
+MIN_ENTRIES = 16  #: top-level entries (usually folders) below which a tree is scanned in one process
+MAX_WORKERS = 8
+
+
+def default_workers() -> int:
+    """Processes for a scan: the cores this process may use, at most :data:`MAX_WORKERS`; one on a machine of
+    two cores or fewer, where a forked scan measured slower than one process (docs/benchmarks.md)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return 1 if cores <= 2 else min(MAX_WORKERS, cores)
+
+
+def _runs(names: list[bytes], workers: int) -> list[frozenset[bytes]]:
+    """Cut the sorted names into ``workers`` runs whose walks follow each other in the listing's order.
+
+    The walk sorts a folder as ``name/``, so a folder ``a`` walks after a file ``a.b``: a cut must never
+    separate a name from the names it is a prefix of (they sort next to it); anywhere else the two orders agree.
+    """
+    n = len(names)
+    seen = set(names)
+    cuts = [0]
+    for k in range(1, workers):
+        c = max(cuts[-1], n * k // workers)
+        while 0 < c < n and any(names[c][:j] in seen and names[c][:j] <= names[c - 1]
+                                for j in range(1, len(names[c]))):
+            c += 1
+        cuts.append(c)
+    cuts.append(n)
+    return [frozenset(names[a:b]) for a, b in itertools.pairwise(cuts) if b > a]
+
+
+def _in_parallel(top: str, workers: int, scan: Callable[[frozenset[bytes] | None], Listing]) -> Listing:
+    try:
+        names = sorted(os.listdir(os.fsencode(top)))
+    except OSError:
+        return scan(None)  # the serial scan says what is wrong, as it always did
+    if workers < 2 or len(names) < MIN_ENTRIES:
+        return scan(None)
+    runs = _runs(names, workers)
+    if len(runs) < 2:
+        return scan(None)
+    ctx = multiprocessing.get_context("fork")  # the child runs only the scan: no threads, locks or imports
+    with ProcessPoolExecutor(len(runs) - 1, mp_context=ctx) as pool:
+        futures = [pool.submit(scan, run) for run in runs[1:]]
+        parts = [scan(runs[0])]
+        parts += [f.result() for f in futures]  # a worker's error is raised here, in the caller
+    return Listing.concat(parts)
+
+
+def _list_part(top: str, skip_top: bytes, only: frozenset[bytes] | None) -> Listing:
+    out = ListingBuilder()
+    scan_local(top, top, "", out, skip_top=skip_top, on_error=as_source_error, only=only)
+    return out.listing()
+
+
+def list_tree(top: str, *, skip_top: bytes = b"", workers: int | None = None) -> Listing:
+    """A local source folder's listing (see :func:`~.listing.scan_local`), scanned by up to ``workers`` processes."""
+    from functools import partial
+
+    return _in_parallel(top, default_workers() if workers is None else workers, partial(_list_part, top, skip_top))
+
+
+def scan_staged_tree(top: str | os.PathLike[str], *, workers: int | None = None) -> Listing:
+    """A staged tree's columns (see :func:`~.listing.scan_staged`), scanned by up to ``workers`` processes."""
+    from functools import partial
+
+    return _in_parallel(os.fspath(top), default_workers() if workers is None else workers,
+                        partial(scan_staged, os.fspath(top)))

@@ -1,0 +1,80 @@
+"""The columns under listings, plans and manifests: strings in one blob, 16-byte digests, joins."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stagingloader.cache.columns import DigestColumn, StrColumn, join
+
+# names with non-ASCII characters and undecodable bytes (surrogate escapes) as a POSIX file name may hold
+texts = st.lists(st.text(st.characters(blacklist_categories=("Cs",)), max_size=6)
+                 | st.sampled_from(["a", "a/b", "a.b", "\udcff", "é", "x\udc80"]), max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts)
+def test_a_str_column_reads_back_what_went_in(values: list[str]) -> None:
+    col = StrColumn.from_strs(values)
+    assert len(col) == len(values) and list(col) == values and col == values
+    assert [col[i] for i in range(len(values))] == values
+    if values:
+        assert col[-1] == values[-1]
+    rows = np.arange(len(values))[::-1].copy()
+    assert list(col.take(rows)) == values[::-1]
+    assert list(StrColumn.concat([col, col])) == values + values
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts, texts)
+def test_join_finds_every_row_and_only_equal_strings(left: list[str], right: list[str]) -> None:
+    right = list(dict.fromkeys(right))  # the right side is a set of paths (a manifest)
+    rows = join(StrColumn.from_strs(left), StrColumn.from_strs(right))
+    for i, v in enumerate(left):
+        assert rows[i] == (right.index(v) if v in right else -1)
+
+
+def test_equal_columns_join_row_to_row_without_hashing() -> None:
+    a = StrColumn.from_strs([f"d/{i}" for i in range(1000)])
+    b = StrColumn(bytes(a.blob), a.offsets.copy())
+    assert a.same_as(b) and (join(a, b) == np.arange(1000)).all()
+
+
+def test_find_is_a_binary_search_over_bytes_order() -> None:
+    values = sorted(["a", "a.b", "a/b", "a0", "é", "z", "\udcff"], key=lambda s: s.encode("utf-8", "surrogateescape"))
+    col = StrColumn.from_strs(values)
+    assert col.is_sorted()
+    for i, v in enumerate(values):
+        assert col.find(v) == i
+    assert col.find("b") == -1 and col.find("") == -1
+
+
+def test_digest_column_round_trips_and_refuses_other_algorithms() -> None:
+    digests = [f"xxh3_128:{i:032x}" for i in range(50)]
+    col = DigestColumn.from_strs(digests)
+    assert col.array.shape == (50, 16) and list(col) == digests and col[7] == digests[7]
+    col[3] = "xxh3_128:" + "f" * 32
+    assert col[3] == "xxh3_128:" + "f" * 32 and col != digests
+    for bad in (["md5:" + "0" * 36], ["xxh3_128:" + "g" * 32], ["xxh3_128:00"]):
+        try:
+            DigestColumn.from_strs(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} was accepted")
+
+
+def test_digests_not_known_yet_read_as_empty_and_block_a_save(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A streaming dataset's placeholder manifest has no digests yet: they read as "", and it is never written."""
+    import pytest
+
+    from stagingloader.cache.manifest import Manifest
+    from stagingloader.errors import ManifestError
+
+    m = Manifest("s", ["a", "b"], [1, 2], [0, 0], ["", ""], ["", "xxh3_128:" + "1" * 32])
+    assert list(m.digest) == ["", "xxh3_128:" + "1" * 32] and m.get("a").digest == ""  # type: ignore[union-attr]
+    with pytest.raises(ManifestError, match="not known yet"):
+        m.save(tmp_path / "m.json")
+    m.digest[0] = "xxh3_128:" + "2" * 32
+    m.save(tmp_path / "m.json")
+    assert Manifest.load(tmp_path / "m.json").digest == m.digest
