@@ -159,7 +159,7 @@ def test_ls_shows_what_a_killed_stage_left_and_gc_reclaims_it(tmp_path: Path, ro
     _killed_stage(src, root)
     d = _dataset(root)
     left = _used_bytes(d.incoming)
-    assert left >= 128 * (64 << 10), "the kill left too little to test with"
+    assert left >= 16 * (64 << 10), "the kill left too little to test with"  # two batches (their size is the engine's)
     (info,) = cli_json("ls", "--root", str(root))["datasets"]
     assert info["incoming_bytes"] == left
     assert info["state"] == f"incomplete, {left} bytes in incoming/"
