@@ -6,7 +6,6 @@ Nothing here is timed: the rate limit only makes the source slower than the read
 from __future__ import annotations
 
 import io
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import stagingloader as sl
 from stagingloader.staging import stream
 from tests.conftest import cli_json
 from tests.support.faultproxy import FaultProxy
-from tests.support.s3server import S3Server
+from tests.support.s3server import S3Server, isolated_s3
 from tests.support.trees import content
 
 BUCKET = "loader-stream"
@@ -37,22 +36,9 @@ def _npy(a: np.ndarray) -> bytes:
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("AWS_")}
-    os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = "/nonexistent"
-    server = S3Server().start()
-    try:
-        import s3fs
-
-        server.make_bucket(BUCKET)
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options())
-        fs.pipe({f"{BUCKET}/{k}": content(k, n) for k, n in FILES.items()})
-        fs.pipe({f"{BUCKET}/{k}": _npy(a) for k, a in ARRAYS.items()})
+    objects = {k: content(k, n) for k, n in FILES.items()} | {k: _npy(a) for k, a in ARRAYS.items()}
+    with isolated_s3(BUCKET, objects) as server:
         yield server
-    finally:
-        server.stop()
-        os.environ.pop("AWS_CONFIG_FILE")
-        os.environ.pop("AWS_SHARED_CREDENTIALS_FILE")
-        os.environ.update(saved)
 
 
 def _slow(s3: S3Server, bytes_per_s: float) -> FaultProxy:

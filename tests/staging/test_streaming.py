@@ -27,7 +27,7 @@ from stagingloader.cache.layout import DatasetDir
 from stagingloader.staging import stream
 from tests.conftest import cli_json, mounted_tmpfs
 from tests.support.faultproxy import Bandwidth, FaultProxy
-from tests.support.s3server import S3Server
+from tests.support.s3server import S3Server, isolated_s3
 from tests.support.trees import content, make_tree
 
 BUCKET = "stream"
@@ -36,21 +36,8 @@ FILES = {f"ds/{i:03d}.bin": 4096 + 61 * i for i in range(60)}
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("AWS_")}
-    os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = "/nonexistent"
-    server = S3Server().start()
-    try:
-        import s3fs
-
-        server.make_bucket(BUCKET)
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options())
-        fs.pipe({f"{BUCKET}/{k}": content(k, n) for k, n in FILES.items()})
+    with isolated_s3(BUCKET, {k: content(k, n) for k, n in FILES.items()}) as server:
         yield server
-    finally:
-        server.stop()
-        os.environ.pop("AWS_CONFIG_FILE")
-        os.environ.pop("AWS_SHARED_CREDENTIALS_FILE")
-        os.environ.update(saved)
 
 
 def _proxy(s3: S3Server, **kwargs: Any) -> FaultProxy:

@@ -21,7 +21,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -274,3 +274,25 @@ class S3Server:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def isolated_s3(bucket: str, objects: Mapping[str, bytes] | None = None) -> Iterator[S3Server]:
+    """A started server with ``bucket`` holding ``objects``, while no AWS_* variable or AWS config file of this
+    machine can lend credentials to a test (they are put back after)."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("AWS_")}
+    os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = "/nonexistent"
+    server = S3Server().start()
+    try:
+        import s3fs
+
+        server.make_bucket(bucket)
+        if objects:
+            fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options())
+            fs.pipe({f"{bucket}/{k}": v for k, v in objects.items()})
+        yield server
+    finally:
+        server.stop()
+        os.environ.pop("AWS_CONFIG_FILE")
+        os.environ.pop("AWS_SHARED_CREDENTIALS_FILE")
+        os.environ.update(saved)
