@@ -40,6 +40,12 @@ def s3() -> Iterator[S3Server]:
         yield server
 
 
+def _cli_options(s3: S3Server, proxy: FaultProxy) -> list[str]:
+    """The command line's options for the server behind ``proxy``."""
+    return ["--endpoint-url", proxy.endpoint_url, "-o", f"key={s3.access_key}", "-o", f"secret={s3.secret_key}",
+            "-o", "client_kwargs={\"region_name\": \"us-east-1\"}"]
+
+
 def _proxy(s3: S3Server, **kwargs: Any) -> FaultProxy:
     host, port = s3.endpoint_url.split("//")[1].split(":")
     return FaultProxy(host, int(port), error_rate=0.0, drop_rate=0.0, **kwargs)
@@ -230,8 +236,7 @@ def test_no_wait_cli_and_a_second_run_reads_along(s3: S3Server, root: Path) -> N
     with _proxy(s3) as proxy:
         gate = threading.Event()
         proxy.hold("/ds/", after=0, action=lambda: gate.wait(60))
-        creds = ["--endpoint-url", proxy.endpoint_url, "-o", f"key={s3.access_key}", "-o",
-                 f"secret={s3.secret_key}", "-o", "client_kwargs={\"region_name\": \"us-east-1\"}"]
+        creds = _cli_options(s3, proxy)
         try:
             out = cli_json("stage", src, "--root", str(root), "--no-wait", "--lease", "job", *creds)
             assert out["streaming"] and Path(out["dataset_dir"]).is_dir()
@@ -277,8 +282,7 @@ def test_the_stager_stops_when_its_lease_is_released(s3: S3Server, root: Path) -
     with _proxy(s3) as proxy:
         gate = threading.Event()
         proxy.hold("/ds/", after=0, action=lambda: gate.wait(60))
-        creds = ["--endpoint-url", proxy.endpoint_url, "-o", f"key={s3.access_key}", "-o",
-                 f"secret={s3.secret_key}", "-o", "client_kwargs={\"region_name\": \"us-east-1\"}"]
+        creds = _cli_options(s3, proxy)
         try:
             out = cli_json("stage", src, "--root", str(root), "--no-wait", "--lease", "job-9", *creds)
             sdir = Path(out["stream_dir"])
