@@ -37,7 +37,7 @@ from ..units import human_bytes
 from .copier import Copier, CopySettings, Progress, as_root_error
 from .copyplan import CORRUPT, CopyPlan, make_plan
 from .incoming import Incoming
-from .listing import Listing, SourceFile
+from .listing import Listing
 from .result import StagedDataset, StageReport
 from .sharding import take_shard
 from .sources import Source
@@ -429,11 +429,6 @@ def _build_version(run: StageRun, lp: LockedPlan, progress: Progress, version: s
             incoming.close()
         raise
     return publish_version(run, lp, version), copier
-
-
-def begin_version(run: StageRun, lp: LockedPlan) -> list[SourceFile]:
-    """:func:`begin_version_rows`, as the files themselves (a streaming run schedules them by name)."""
-    return list(run.listing.iter_rows(begin_version_rows(run, lp)))
 
 
 def begin_version_rows(run: StageRun, lp: LockedPlan) -> RowArray:

@@ -33,12 +33,15 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+import numpy as np
+
 from ..cache import leases, trust
 from ..cache.locking import DatasetLock
 from ..cache.manifest import Entry
 from ..errors import InternalError, NoSpaceError, StagingError
 from ..units import human_bytes
 from .copier import Copier, CopySettings
+from .listing import Listing
 from .result import StagedDataset
 from .schedule import Schedule
 from .sources import SourceFile
@@ -46,7 +49,7 @@ from .stager import (
     LockedPlan,
     StageOptions,
     StageRun,
-    begin_version,
+    begin_version_rows,
     finish,
     keep_published,
     open_run,
@@ -149,6 +152,12 @@ def _lock_or_read_along(run: StageRun, lock: DatasetLock, req: StreamRequest) ->
     return None
 
 
+def stream_rows(run: StageRun) -> Listing:
+    """The rows a streaming run and its readers agree on: the listing in its own order (sorted by path bytes,
+    which is the order of the names for every name that is valid UTF-8)."""
+    return Listing.of(run.listing)
+
+
 def _read_along(run: StageRun, *, foreign: bool, holder_pid: int | None) -> dict[str, Any] | None:
     """Another stager streams this very listing now: the answer that reads along with it (None if not)."""
     sdir = stream_dir(run.ddir)
@@ -161,7 +170,7 @@ def _read_along(run: StageRun, *, foreign: bool, holder_pid: int | None) -> dict
         files = StreamFiles.load(sdir)
     except StagingError:
         return None
-    if files.rels != tuple(sorted(f.rel for f in run.listing)):
+    if files.rels != tuple(stream_rows(run).path):
         return None
     lease = None if foreign else take_lease(run, state.version, holder_pid)
     run.say(f"reading along the streaming stage of {run.source.url} by process {state.pid}")
@@ -190,8 +199,8 @@ class _StreamRun:
         self.stop = stop
         self.sdir = stream_dir(run.ddir)
         self.version = run.ddir.next_version()
-        self.listing = sorted(run.listing, key=lambda f: f.rel)
-        self.row_of = {f.rel: i for i, f in enumerate(self.listing)}
+        self.listing = stream_rows(run)  #: in columns: nothing per file until a file is handed to the copier
+        self.inflight: dict[str, int] = {}  #: rel -> row of the files handed to the copier and not yet done
         self.done_q: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self.wake = threading.Event()
         self.lock = threading.Lock()  #: the schedule: the feed (copier's dispatcher) and the poller share it
@@ -206,16 +215,16 @@ class _StreamRun:
 
     def run(self) -> None:
         run, lp = self.run_, self.lp
-        to_copy = begin_version(run, lp)
-        missing = {f.rel for f in to_copy}
-        ready = [i for i, f in enumerate(self.listing) if f.rel not in missing]
-        sizes = [f.size for f in self.listing]
-        limit = self._limit(sum(sizes[i] for i in ready))
+        is_ready = np.ones(len(self.listing), dtype=bool)
+        is_ready[begin_version_rows(run, lp)] = False
+        sizes = self.listing.size.tolist()
+        ready = np.flatnonzero(is_ready).tolist()
+        limit = self._limit(int(self.listing.size[is_ready].sum()))
         self.sched = Schedule(sizes, ready=ready, limit=limit)
         lp.incoming.on_record = self._recorded
         self.sdir.mkdir(mode=0o755, exist_ok=True)
         trust.check_folder(self.sdir, what="stream folder")
-        StreamFiles(run.source.url, tuple(f.rel for f in self.listing), tuple(sizes)).write(self.sdir)
+        StreamFiles(run.source.url, tuple(self.listing.path), tuple(sizes)).write(self.sdir)
         self.requests = RequestReader(self.sdir, len(self.listing))
         self._write_state(COPYING, force=True)
         self.lease = take_lease(run, self.version, self.req.holder_pid)
@@ -292,22 +301,28 @@ class _StreamRun:
                 pick = sched.next()
                 if pick is not None:
                     for row in pick.evict:
-                        trust.unlink_under(self.lp.incoming.data, self.listing[row].rel)
+                        trust.unlink_under(self.lp.incoming.data, self.listing.path[row])
             if pick is None:
                 self.wake.wait(POLL_SECONDS)
                 self.wake.clear()
                 continue
-            yield self.listing[pick.row]
+            f = self.listing.row(pick.row)
+            self.inflight[f.rel] = pick.row
+            yield f
 
     def _recorded(self, entries: list[Entry]) -> None:  # copier threads
         self.done_q.put([e.path for e in entries])
         self.wake.set()
 
+    def _row_of(self, rel: str) -> int:
+        row = self.inflight.pop(rel, -1)
+        return row if row >= 0 else self.listing.find(rel)
+
     def _collect(self) -> None:
         rows: list[int] = []
         with contextlib.suppress(queue.Empty):
             while True:
-                rows.extend(self.row_of[rel] for rel in self.done_q.get_nowait())
+                rows.extend(self._row_of(rel) for rel in self.done_q.get_nowait())
         if rows:
             self.sched.done(rows)
 
