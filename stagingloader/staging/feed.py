@@ -9,6 +9,7 @@ the cache) while the copier goes on collecting the workers' results, which is wh
 from __future__ import annotations
 
 import collections
+import contextlib
 import socket
 import threading
 from collections.abc import Iterable, Sequence
@@ -25,17 +26,13 @@ class Wakeup:
         self._writer.setblocking(False)
 
     def ring(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # full (it rang plenty) or closed: nothing to add
             self._writer.send(b"!")
-        except (BlockingIOError, OSError):  # full (it rang plenty) or closed: nothing to add
-            pass
 
     def drain(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # BlockingIOError: nothing more to read
             while self.reader.recv(4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
+                continue
 
     def close(self) -> None:
         self.reader.close()

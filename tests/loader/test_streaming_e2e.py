@@ -41,11 +41,6 @@ def s3() -> Iterator[S3Server]:
         yield server
 
 
-def _slow(s3: S3Server, bytes_per_s: float) -> FaultProxy:
-    host, port = s3.endpoint_url.split("//")[1].split(":")
-    return FaultProxy(host, int(port), error_rate=0.0, drop_rate=0.0, bytes_per_s=bytes_per_s)
-
-
 def _stage(s3: S3Server, proxy: FaultProxy, root: Path, prefix: str = "ds", **kw: Any) -> sl.StagedDataset:
     return sl.stage(f"s3://{BUCKET}/{prefix}", root=str(root), workers=1, wait=False,
                     storage_options=s3.storage_options(endpoint_url=proxy.endpoint_url), **kw)
@@ -55,17 +50,9 @@ def _want(rel: str) -> bytes:
     return content(f"ds/{rel}", FILES[f"ds/{rel}"])
 
 
-def _copy_order(proxy: FaultProxy, rels: list[str]) -> list[str]:
-    out: list[str] = []
-    for method, path in proxy.log:
-        rel = path.split("/ds/", 1)[-1]
-        if method == "GET" and "/ds/" in path and rel in rels and rel not in out:
-            out.append(rel)
-    return out
-
-
 def test_training_reads_every_byte_while_the_stage_streams(s3: S3Server, root: Path) -> None:
-    with _slow(s3, 60_000) as proxy:  # about 50 ms a file: the stager stays behind two reading workers
+    # about 50 ms a file: the stager stays behind two reading workers
+    with FaultProxy.clean(s3.endpoint_url, bytes_per_s=60_000) as proxy:
         gate, rest = threading.Event(), threading.Event()
         proxy.hold("/ds/", after=0, action=lambda: gate.wait(60))  # nothing is copied before the loader starts
         proxy.hold("/ds/", after=20, action=lambda: rest.wait(60))  # nor more than 20 files before its first batch
@@ -87,7 +74,7 @@ def test_training_reads_every_byte_while_the_stage_streams(s3: S3Server, root: P
             assert got == [_want(rel) for rel in epoch0]  # every sample whole and right, in the sampler's order
             e = loader.stats.epochs[-1]
             assert e.misses > 0 and e.not_staged_s > 0 and "Source-bound" in sl.diagnose(loader)
-            copied = _copy_order(proxy, list(files.relpath(i) for i in range(len(files))))
+            copied = proxy.gets_under("/ds/", list(files.relpath(i) for i in range(len(files))))
             # the stager followed the loader's order (up to three listing-order files were on their way before it
             # read the order; the workers' urgent rows jump within the head)
             ranks = [epoch0.index(rel) for rel in copied[3:]]
@@ -107,7 +94,7 @@ def test_training_reads_every_byte_while_the_stage_streams(s3: S3Server, root: P
 
 
 def test_resume_mid_epoch_while_the_stage_streams(s3: S3Server, root: Path) -> None:
-    with _slow(s3, 80_000) as proxy:
+    with FaultProxy.clean(s3.endpoint_url, bytes_per_s=80_000) as proxy:
         gate = threading.Event()
         proxy.hold("/ds/", after=24, action=lambda: gate.wait(60))  # the stage cannot end before the resume
         ds = _stage(s3, proxy, root)
@@ -139,7 +126,7 @@ def test_resume_mid_epoch_while_the_stage_streams(s3: S3Server, root: Path) -> N
 
 def test_staged_arrays_over_a_real_stream(s3: S3Server, root: Path) -> None:
     whole = np.concatenate(list(ARRAYS.values()))
-    with _slow(s3, 100_000) as proxy:
+    with FaultProxy.clean(s3.endpoint_url, bytes_per_s=100_000) as proxy:
         ds = _stage(s3, proxy, root, prefix="arr")
         try:
             arrays = sl.StagedArrays(ds)
@@ -159,7 +146,7 @@ def test_staged_arrays_over_a_real_stream(s3: S3Server, root: Path) -> None:
 
 
 def test_the_folder_printed_by_no_wait_is_read_while_it_streams(s3: S3Server, root: Path) -> None:
-    with _slow(s3, 60_000) as proxy:
+    with FaultProxy.clean(s3.endpoint_url, bytes_per_s=60_000) as proxy:
         creds = ["--endpoint-url", proxy.endpoint_url, "-o", f"key={s3.access_key}", "-o",
                  f"secret={s3.secret_key}", "-o", "client_kwargs={\"region_name\": \"us-east-1\"}"]
         out = cli_json("stage", f"s3://{BUCKET}/ds", "--root", str(root), "--no-wait", "--workers", "1", *creds)

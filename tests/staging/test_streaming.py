@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -46,11 +45,6 @@ def _cli_options(s3: S3Server, proxy: FaultProxy) -> list[str]:
             "-o", "client_kwargs={\"region_name\": \"us-east-1\"}"]
 
 
-def _proxy(s3: S3Server, **kwargs: Any) -> FaultProxy:
-    host, port = s3.endpoint_url.split("//")[1].split(":")
-    return FaultProxy(host, int(port), error_rate=0.0, drop_rate=0.0, **kwargs)
-
-
 def _until(cond: Callable[[], bool], what: str, limit: float = 60.0) -> None:
     """Wait for a condition (a bound against hangs, not a measurement)."""
     end = time.monotonic() + limit
@@ -74,7 +68,7 @@ def _held_stream(s3: S3Server, root: Path, proxy: FaultProxy) -> tuple[sl.Staged
 
 
 def test_wait_false_returns_before_the_copy_and_wait_publishes(s3: S3Server, root: Path) -> None:
-    with _proxy(s3) as proxy:
+    with FaultProxy.clean(s3.endpoint_url) as proxy:
         ds, gate = _held_stream(s3, root, proxy)
         try:
             # stage() returned while the source has not answered a single read: nothing can be copied yet
@@ -102,7 +96,7 @@ def test_wait_false_returns_before_the_copy_and_wait_publishes(s3: S3Server, roo
 
 
 def test_copy_follows_the_readers_order_and_urgent_rows_jump(s3: S3Server, root: Path) -> None:
-    with _proxy(s3) as proxy:
+    with FaultProxy.clean(s3.endpoint_url) as proxy:
         ds, gate = _held_stream(s3, root, proxy)
         try:
             assert ds.stream_dir is not None
@@ -116,7 +110,7 @@ def test_copy_follows_the_readers_order_and_urgent_rows_jump(s3: S3Server, root:
         finally:
             gate.set()
             ds.release()
-        copied = _copy_order(proxy, rels)
+        copied = proxy.gets_under("/ds/", rels)
     assert sorted(copied) == sorted(rels) and sl.verify(done).ok
     # one copy thread: before the stager read the order, at most three files (listing order) were on their way
     # (none if the copier asked for its first file after the order was written)
@@ -125,16 +119,6 @@ def test_copy_follows_the_readers_order_and_urgent_rows_jump(s3: S3Server, root:
     rest = copied[len(early):]
     assert rest[0] == rels[urgent]  # the urgent row went next
     assert rest[1:] == [rels[i] for i in order.tolist() if rels[i] in set(rest[1:])]  # then the reader's order
-
-
-def _copy_order(proxy: FaultProxy, rels: tuple[str, ...]) -> list[str]:
-    """The files in the order the source was asked for them (one copy thread: the order they were copied in)."""
-    out: list[str] = []
-    for method, path in proxy.log:
-        rel = path.split("/ds/", 1)[-1]
-        if method == "GET" and "/ds/" in path and rel in rels and rel not in out:
-            out.append(rel)
-    return out
 
 
 def test_a_dataset_larger_than_the_tier_streams_under_a_cache_limit(tmp_path: Path) -> None:
@@ -188,7 +172,8 @@ def test_killed_stagers_resume_and_no_reader_sees_a_wrong_byte(s3: S3Server, roo
     src = f"s3://{BUCKET}/ds"
     expected = {k[3:]: content(k, n) for k, n in FILES.items()}
     rng = random.Random(12)
-    with _proxy(s3, bytes_per_s=120_000) as proxy:  # ~3 s for the whole dataset: a stager to kill mid-way
+    # ~3 s for the whole dataset: a stager to kill mid-way
+    with FaultProxy.clean(s3.endpoint_url, bytes_per_s=120_000) as proxy:
         opts = s3.storage_options(endpoint_url=proxy.endpoint_url)
         seen = 0
         for attempt in range(3):
@@ -233,7 +218,7 @@ def _files_done(sdir: Path) -> int:
 
 def test_no_wait_cli_and_a_second_run_reads_along(s3: S3Server, root: Path) -> None:
     src = f"s3://{BUCKET}/ds"
-    with _proxy(s3) as proxy:
+    with FaultProxy.clean(s3.endpoint_url) as proxy:
         gate = threading.Event()
         proxy.hold("/ds/", after=0, action=lambda: gate.wait(60))
         creds = _cli_options(s3, proxy)
@@ -257,7 +242,7 @@ def test_no_wait_cli_and_a_second_run_reads_along(s3: S3Server, root: Path) -> N
 
 
 def test_release_stops_the_stager_and_the_next_stage_resumes(s3: S3Server, root: Path) -> None:
-    with _proxy(s3, bytes_per_s=60_000) as proxy:
+    with FaultProxy.clean(s3.endpoint_url, bytes_per_s=60_000) as proxy:
         opts = s3.storage_options(endpoint_url=proxy.endpoint_url)
         ds = sl.stage(f"s3://{BUCKET}/ds", root=str(root), workers=1, wait=False, storage_options=opts)
         assert ds.stream is not None and ds.stream_dir is not None
@@ -279,7 +264,7 @@ def test_release_stops_the_stager_and_the_next_stage_resumes(s3: S3Server, root:
 
 def test_the_stager_stops_when_its_lease_is_released(s3: S3Server, root: Path) -> None:
     src = f"s3://{BUCKET}/ds"
-    with _proxy(s3) as proxy:
+    with FaultProxy.clean(s3.endpoint_url) as proxy:
         gate = threading.Event()
         proxy.hold("/ds/", after=0, action=lambda: gate.wait(60))
         creds = _cli_options(s3, proxy)
@@ -319,7 +304,7 @@ def test_each_node_streams_only_its_shard(src: Path, root: Path) -> None:
 
 
 def test_the_stager_of_a_python_process_that_dies_stops(s3: S3Server, root: Path) -> None:
-    with _proxy(s3) as proxy:
+    with FaultProxy.clean(s3.endpoint_url) as proxy:
         gate = threading.Event()
         proxy.hold("/ds/", after=0, action=lambda: gate.wait(60))
         code = ("import json, os, sys, stagingloader as sl\n"

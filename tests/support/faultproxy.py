@@ -22,9 +22,10 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
+from typing import Any
 
 HOST = "127.0.0.1"
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection"}
@@ -116,6 +117,21 @@ class FaultProxy:
         self._holds: list[_Hold] = []
         self._server: _QuietServer | None = None
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def clean(cls, endpoint_url: str, **kwargs: Any) -> FaultProxy:
+        """A proxy in front of ``endpoint_url`` (``http://host:port``) that injects no faults (hold or throttle it)."""
+        host, port = endpoint_url.split("//")[1].split(":")
+        return cls(host, int(port), error_rate=0.0, drop_rate=0.0, **kwargs)
+
+    def gets_under(self, prefix: str, names: Collection[str]) -> list[str]:
+        """``names`` (paths after ``prefix``) in the order the server was first asked for them by a GET."""
+        out: list[str] = []
+        for method, path in self.log:
+            name = path.split(prefix, 1)[-1]
+            if method == "GET" and prefix in path and name in names and name not in out:
+                out.append(name)
+        return out
 
     @property
     def port(self) -> int:
