@@ -1,6 +1,7 @@
 """The files a copy run is given, pulled lazily: only as many as the copier asks for.
 
-A list (what a stage copies) is read directly.  Any other iterable, such as a streaming stage's schedule, a
+A list, or an iterable wrapped in :class:`Direct` (what a stage copies: the rows of its plan), is read
+directly, in the copier's thread.  Any other iterable, such as a streaming stage's schedule, a
 generator whose next file depends on what the loader needs and on which files are done, is pulled in a thread
 of its own, one file per credit the copier grants: it may block (waiting for files to be done, or for room in
 the cache) while the copier goes on collecting the workers' results, which is what unblocks it.
@@ -12,7 +13,7 @@ import collections
 import contextlib
 import socket
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from .sources import SourceFile
 
@@ -39,11 +40,23 @@ class Wakeup:
         self._writer.close()
 
 
+class Direct(Iterator[SourceFile]):
+    """An iterable that never blocks (it makes files from a plan), for the copier to pull in its own thread: a
+    thread of its own would cost a thread switch per file (about 7 us each, a third of the stager's work for
+    200,000 small files)."""
+
+    def __init__(self, files: Iterable[SourceFile]) -> None:
+        self._it = iter(files)
+
+    def __next__(self) -> SourceFile:
+        return next(self._it)
+
+
 class Feed:
     """What the copier takes files from: :meth:`take` never blocks; :meth:`ask` says how many more it wants."""
 
     def __init__(self, files: Iterable[SourceFile], wakeup: Wakeup) -> None:
-        self._direct = isinstance(files, Sequence)
+        self._direct = isinstance(files, (Sequence, Direct))
         self._it = iter(files)
         self._wakeup = wakeup
         self._items: collections.deque[SourceFile] = collections.deque()
@@ -108,4 +121,4 @@ class Feed:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-__all__ = ["Feed", "Wakeup"]
+__all__ = ["Direct", "Feed", "Wakeup"]

@@ -43,6 +43,7 @@ class LargeFile:
         self.ranges_path = incoming.partial / f"{pid}.ranges"
         self.hasher: xxhash.xxh3_128 = dg.new_hasher()
         self.next_offset = 0  #: bytes hashed so far, in order
+        self.handed_out = 0  #: the end of the last range handed to a worker (or found intact)
         self.finished_ranges: dict[int, int] = {}  #: offset -> length, copied but not hashed in order yet
         self.unjournaled: set[int] = set()  #: offsets of finished ranges to journal once hashed
         self.fd = self.src_fd = self.ranges_fd = -1

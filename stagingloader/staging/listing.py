@@ -36,6 +36,11 @@ class SourceFile:
     dev: int = 0  #: a local file's device and inode as listed: the copier refuses another file under its name
     ino: int = 0
 
+    def __reduce__(self) -> tuple[type[SourceFile], tuple[str, int, int, str, int, int]]:
+        # a plain constructor call: a slotted dataclass pickles through Python-level __getstate__ otherwise,
+        # which cost the stager about 10 us per file it handed to a copy worker
+        return SourceFile, (self.rel, self.size, self.mtime_ns, self.etag, self.dev, self.ino)
+
 
 class Listing(Sequence[SourceFile]):
     """Files of a source in columns, sorted by path bytes; ``listing[i]`` is a :class:`SourceFile`."""

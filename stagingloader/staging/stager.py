@@ -36,6 +36,7 @@ from ..errors import InternalError, ManifestError, NoSpaceError, RootError, Usag
 from ..units import human_bytes
 from .copier import Copier, CopySettings, Progress, as_root_error
 from .copyplan import CORRUPT, CopyPlan, make_plan
+from .feed import Direct
 from .incoming import Incoming
 from .listing import Listing
 from .result import StagedDataset, StageReport
@@ -423,7 +424,7 @@ def _build_version(run: StageRun, lp: LockedPlan, progress: Progress, version: s
     settings = CopySettings(workers=run.workers, fsync=incoming.fsync, processes=run.opts.workers)
     copier = Copier(run.source, incoming, settings, expected=lp.expected, progress=progress, stop=threading.Event())
     try:
-        copier.run(incoming.track(run.listing, to_copy))
+        copier.run(Direct(incoming.track(run.listing, to_copy)))
     except BaseException:
         with contextlib.suppress(OSError):  # e.g. a full disk: the copier's error is the one to report
             incoming.close()

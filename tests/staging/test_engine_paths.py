@@ -1,0 +1,161 @@
+"""The engine's cheap paths keep its guarantees: large files handed out one per worker, the plan pulled in the
+copier's own thread, journal lines written without ``json.dumps`` for plain names, the non-root open of a
+source file, and the copy workers' own temp folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import stagingloader as sl
+from stagingloader.errors import SourceError
+from stagingloader.staging import sources, stable
+from stagingloader.staging.copier import Copier, CopySettings
+from stagingloader.staging.feed import Direct, Feed, Wakeup
+from stagingloader.staging.incoming import Incoming, journal_line
+from stagingloader.staging.sources import Source, SourceFile
+from tests.support.trees import make_tree, tree_digests
+
+
+def _copier(src: Path, dest: Path, **settings: int) -> tuple[Copier, Incoming, list[SourceFile]]:
+    source = Source(str(src))
+    incoming = Incoming(dest / "incoming")
+    incoming.open()
+    return Copier(source, incoming, CopySettings(**settings)), incoming, list(source.listing())
+
+
+def test_each_large_file_goes_to_one_worker_and_only_the_last_one_is_shared(tmp_path: Path) -> None:
+    """Two processes writing one file contend for its lock: a worker keeps the file it opened, takes the next
+    file when it has handed out all of its own, and helps with another's only when no file is left."""
+    kib = 64 << 10
+    src = make_tree(tmp_path / "src", {"a.bin": 4 * kib, "b.bin": 4 * kib, "c.bin": 4 * kib})
+    copier, incoming, listing = _copier(src, tmp_path, range_size=kib, large_threshold=kib - 1)
+    copier._feed = Feed(listing, Wakeup())
+    first, second = object(), object()
+    got: dict[str, list[tuple[str, int]]] = {"first": [], "second": []}
+    for _ in range(12):
+        for name, proc in (("first", first), ("second", second)):
+            job = copier._next_job(proc)
+            if job is not None:
+                assert job.large is not None
+                got[name].append((job.large.file.rel, job.offset))
+    assert copier._next_job(first) is None and copier._next_job(second) is None
+    handed = sorted(got["first"] + got["second"])
+    assert handed == sorted((rel, i * kib) for rel in ("a.bin", "b.bin", "c.bin") for i in range(4))
+    assert [rel for rel, _ in got["first"][:5]] == ["a.bin"] * 4 + ["c.bin"]
+    assert [rel for rel, _ in got["second"][:4]] == ["b.bin"] * 4
+    assert {rel for rel, _ in got["second"][4:]} <= {"c.bin"}  # the tail: helping with the last file
+    for lf in copier._large:
+        lf.close()
+    incoming.close()
+
+
+def test_several_large_files_through_worker_processes_are_whole(tmp_path: Path) -> None:
+    sizes = {f"big{i}.bin": (3 << 20) + 4099 * i for i in range(5)} | {f"s{i}.bin": 1000 + i for i in range(40)}
+    src = make_tree(tmp_path / "src", sizes)
+    copier, incoming, listing = _copier(src, tmp_path, range_size=1 << 20, large_threshold=1 << 20, processes=2)
+    copier.run(listing)
+    incoming.close()
+    assert tree_digests(incoming.data) == tree_digests(src)
+    assert {e.path: e.digest for e in incoming.entries} == tree_digests(src)
+    assert not list(incoming.partial.iterdir()), "temp files, range journals and worker folders are all gone"
+
+
+def test_a_plan_is_pulled_in_the_copiers_own_thread(tmp_path: Path) -> None:
+    src = make_tree(tmp_path / "src", {f"d{i % 3}/f{i}.bin": 100 + i for i in range(50)})
+    copier, incoming, listing = _copier(src, tmp_path, processes=0)
+    threads: set[str] = set()
+
+    def plan() -> Iterator[SourceFile]:
+        for f in listing:
+            threads.add(threading.current_thread().name)
+            yield f
+
+    copier.run(Direct(plan()))
+    incoming.close()
+    assert threads == {threading.current_thread().name}
+    assert tree_digests(incoming.data) == tree_digests(src)
+
+
+@pytest.mark.parametrize("name", ["plain/a.jpg", 'quote"d', "back\\slash", "new\nline\ttab\x01", "ünïcödé",
+                                  "bad-utf8-\udcff"])
+@pytest.mark.parametrize("etag", ["", '"5d41402abc4b2a76b9719d911017c592"'])
+def test_a_journal_line_reads_back_as_what_was_recorded(name: str, etag: str) -> None:
+    line = journal_line(name, 123, 456, etag, "xxh3_128:" + "ab" * 16)
+    assert "\n" not in line
+    assert json.loads(line) == [name, 123, 456, etag, "xxh3_128:" + "ab" * 16]
+    assert json.loads(line) == json.loads(json.dumps([name, 123, 456, etag, "xxh3_128:" + "ab" * 16],
+                                                     ensure_ascii=False))
+
+
+def test_odd_names_are_journaled_and_resumed(tmp_path: Path) -> None:
+    names = {'q"uote.bin': 300, "tab\there.bin": 500, "plain.bin": 600}
+    src = make_tree(tmp_path / "src", names)
+    copier, incoming, listing = _copier(src, tmp_path, processes=0)
+    copier.run(listing)
+    incoming.close()
+    done, stray = Incoming(tmp_path / "incoming").load({f.rel: f for f in listing})
+    assert stray == 0
+    assert {rel: e.digest for rel, e in done.items()} == tree_digests(src)
+
+
+@pytest.fixture(params=["as root", "as a user"])
+def open_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a source file is opened: through O_PATH (root), or at once and checked (anyone else)."""
+    monkeypatch.setattr(stable, "_AS_ROOT", request.param == "as root")
+    return str(request.param)
+
+
+@pytest.mark.parametrize("swap", ["link", "fifo"])
+def test_a_file_swapped_after_listing_is_refused_on_either_open_path(tmp_path: Path, open_path: str, swap: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    src = make_tree(tmp_path / "src", {"a.bin": 100, "victim.bin": 5000})
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"SECRET-BYTES" * 500)
+    real_listing = sources.Source.listing
+
+    def listing_then_swap(self: sources.Source, *args: Any, **kwargs: Any) -> Any:
+        out = real_listing(self, *args, **kwargs)
+        victim = src / "victim.bin"
+        victim.unlink()
+        if swap == "link":
+            victim.symlink_to(secret)
+        else:
+            os.mkfifo(victim)  # opening it for reading must neither hang nor be read
+        return out
+
+    monkeypatch.setattr(sources.Source, "listing", listing_then_swap)
+    root = tmp_path / "root"
+    with pytest.raises(SourceError, match=r"victim\.bin.*(replaced|no longer)"):
+        sl.stage(str(src), str(root))
+    for p in root.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            assert b"SECRET-BYTES" not in p.read_bytes(), f"{p} holds bytes from outside the source"
+
+
+def test_a_user_stage_copies_what_it_lists(tmp_path: Path, open_path: str) -> None:
+    src = make_tree(tmp_path / "src", {f"d{i % 4}/f{i}.bin": 10 + 997 * i for i in range(30)})
+    ds = sl.stage(str(src), str(tmp_path / "root"))
+    assert isinstance(ds, sl.StagedDataset)
+    assert tree_digests(ds.root) == tree_digests(src)
+
+
+def test_temp_folders_a_killed_worker_left_are_swept_and_never_followed(tmp_path: Path) -> None:
+    incoming = Incoming(tmp_path / "incoming")
+    incoming.open()
+    stale = incoming.partial / "w99999"
+    stale.mkdir()
+    (stale / "1.tmp").write_bytes(b"half a file")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the cache's")
+    (incoming.partial / "w12345").symlink_to(outside)
+    incoming.sweep({})
+    assert list(incoming.partial.iterdir()) == []
+    assert (outside / "keep.txt").read_text() == "not the cache's"
