@@ -44,12 +44,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,16 @@ class Runner:
         self.args = args
         self.say: Callable[[str], None] = lambda text: print(text, flush=True)
 
+    def as_user(self, cmd: Sequence[str] | str, shell: bool, target: Path) -> tuple[Sequence[str] | str, bool]:
+        """``cmd`` run as ``--as-user`` (every method alike), in a target that user owns; as is without it."""
+        user = self.args.as_user
+        if not user:
+            return cmd, shell
+        shutil.chown(target, user)  # fresh, or made by this user's earlier run (a re-stage)
+        if shell:
+            return ["runuser", "-u", user, "--", "/bin/bash", "-c", str(cmd)], False
+        return ["runuser", "-u", user, "--", *cmd], False
+
     def one(self, m: Method, src: Path, run_dir: Path, kind: str, check_count: tuple[int, int] | None,
             idle: float, trash: Path | None = None) -> tuple[B.Run, dict[str, Any]]:
         """Clear the target, (idle), run ``m`` once into it; return the run (sync included on disk).
@@ -281,7 +292,7 @@ class Runner:
         if idle:
             time.sleep(idle)
         run_dir.mkdir(parents=True)
-        cmd, shell = m.build(src, run_dir)
+        cmd, shell = self.as_user(*m.build(src, run_dir), run_dir)
         run = B.run_timed(cmd, shell=shell)
         extra: dict[str, Any] = {}
         if kind == "disk":
@@ -374,13 +385,16 @@ class Runner:
             for name in order:
                 if name == SL:
                     ram = ["--max-ram-fraction", "0.95"] if kind == "shm" else []
-                    run = B.run_timed([*sl, "stage", str(src), "--root", str(kept[SL]), "--json", "-q", *ram])
+                    cmd, _ = self.as_user([*sl, "stage", str(src), "--root", str(kept[SL]), "--json", "-q", *ram],
+                                          False, kept[SL])
+                    run = B.run_timed(cmd)
                     doc = json.loads(run.stdout)
                     if doc.get("copied_files") or doc.get("new_version"):
                         raise RuntimeError(f"re-stage copied something: {doc}")
                     runs[name].extra.setdefault("self_reported_s", []).append(doc.get("seconds"))
                 else:
-                    run = B.run_timed(["rsync", "-a", f"{src}/", f"{kept[RSYNC]}/out/"])
+                    cmd, _ = self.as_user(["rsync", "-a", f"{src}/", f"{kept[RSYNC]}/out/"], False, kept[RSYNC])
+                    run = B.run_timed(cmd)
                 (runs[name].cold if p == 0 else runs[name].warm).append(run.seconds)
                 runs[name].cpu.append(run.cpu)
                 runs[name].maxrss_mib.append(run.maxrss_mib)
@@ -583,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all-warm", action="store_true",
                     help="also repeat 'stagingloader --no-fsync' warm on disk/tiny (skipped: ~1 min a run)")
     ap.add_argument("--no-wait", action="store_true", help="do not wait for the machine to go idle first")
+    ap.add_argument("--as-user", metavar="NAME",
+                    help="run every method as this user (run as root: runuser), as a user stages; as root, "
+                         "stagingloader opens each source file through O_PATH first (see staging/stable.py)")
     ap.add_argument("--from-json", metavar="PATH", help="measure nothing: print the tables of a results file")
     ap.add_argument("--scaling", action="store_true",
                     help="only stage each dataset into tmpfs with 1 and 2 worker processes (files/s, GB/s, CPU of "

@@ -76,6 +76,37 @@ def _list_part(top: str, skip_top: bytes, only: frozenset[bytes] | None) -> List
     return out.listing()
 
 
+class BackgroundScan:
+    """A staged tree scanned in a forked process while this one does something else (lists the source).
+
+    A re-stage of an unchanged source is two scans, the source's and the staged copy's, each a ``stat`` per
+    file: one after the other they took twice as long as ``rsync -a``, which runs its two sides at once.
+    The result is used only for the tree it was started for, and an error there is left to the scan the
+    caller then makes itself, which reports it as it always did."""
+
+    def __init__(self, top: str | os.PathLike[str]) -> None:
+        self.top = os.fspath(top)
+        self._pool: ProcessPoolExecutor | None = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+        self._future = self._pool.submit(scan_staged_tree, self.top, workers=1)
+
+    def result_for(self, top: str | os.PathLike[str]) -> Listing | None:
+        """The scan of ``top`` if that is the tree scanned, else None (and the scan is dropped)."""
+        try:
+            if os.fspath(top) != self.top:
+                return None
+            return self._future.result()
+        except Exception:  # the caller's own scan raises it as it should be said
+            return None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._future.cancel()
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
 def list_tree(top: str, *, skip_top: bytes = b"", workers: int | None = None) -> Listing:
     """A local source folder's listing (see :func:`~.listing.scan_local`), scanned by up to ``workers`` processes."""
     from functools import partial

@@ -26,20 +26,21 @@ from typing import Any
 import numpy as np
 
 from ..cache import leases, trust
-from ..cache.capacity import Tier, resolve_root
+from ..cache.capacity import Tier, auto_candidates, resolve_root
 from ..cache.columns import CHUNK_ROWS, DigestColumn, Int64Array, RowArray, StrColumn, digest_raw, join
 from ..cache.layout import DatasetDir, current_user, dataset_key, safe_join
 from ..cache.locking import DatasetLock
 from ..cache.manifest import Entry, Manifest
 from ..cache.registry import remember_root
-from ..errors import InternalError, ManifestError, NoSpaceError, RootError, UsageError
+from ..errors import CacheError, InternalError, ManifestError, NoSpaceError, RootError, UsageError
 from ..units import human_bytes
-from .copier import Copier, CopySettings, Progress, as_root_error
+from .copier import Copier, CopySettings, Progress, as_root_error, usable_cores
 from .copyplan import CORRUPT, CopyPlan, make_plan
 from .feed import Direct
 from .incoming import Incoming
 from .listing import Listing
 from .result import StagedDataset, StageReport
+from .scanning import BackgroundScan
 from .sharding import take_shard
 from .sources import Source
 from .verify import check_fast, check_full
@@ -118,41 +119,80 @@ def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = N
     The run's lease is the named one ``opts.lease`` if given, else one tied to the process ``holder_pid`` (the
     Python API's own process; the CLI's caller), else none.
     """
-    run, identity = open_run(src, opts, env=env, on_event=on_event)
-    foreign = _someone_elses(run.ddir)  # another user's folder, or a link, is refused here
-    if opts.dry_run:
-        if not foreign and trust.lstat(run.ddir.path) is not None:
-            run.ddir.check(writable=True)
-        return _dry_run(run)
-    if foreign:
-        return _use_read_only(run)
-    own_folder(run, env)
-    with DatasetLock(run.ddir.lock_file, timeout=opts.lock_timeout, on_wait=run.say):
-        own_folder(run)  # the folder whose lock we hold: gc may have removed the one we checked while we waited
-        return _stage_locked(run, identity=identity, callback=callback, on_file=on_file, holder_pid=holder_pid)
+    run, identity = open_run(src, opts, env=env, on_event=on_event, early_scan=True)
+    try:
+        foreign = _someone_elses(run.ddir)  # another user's folder, or a link, is refused here
+        if opts.dry_run:
+            if not foreign and trust.lstat(run.ddir.path) is not None:
+                run.ddir.check(writable=True)
+            return _dry_run(run)
+        if foreign:
+            return _use_read_only(run)
+        own_folder(run, env)
+        with DatasetLock(run.ddir.lock_file, timeout=opts.lock_timeout, on_wait=run.say):
+            own_folder(run)  # the folder whose lock we hold: gc may have removed the one we checked meanwhile
+            return _stage_locked(run, identity=identity, callback=callback, on_file=on_file, holder_pid=holder_pid)
+    finally:
+        if run.early is not None:
+            run.early.close()
 
 
 def open_run(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = None,
              on_event: Callable[[str], None] | None = None, cache_limit: int | None = None,
-             verb: str = "staging") -> tuple[StageRun, str]:
+             verb: str = "staging", early_scan: bool = False) -> tuple[StageRun, str]:
     """List the source (this node's shard) and pick the root: what a run works on, and the source's identity.
-    ``cache_limit``: the bytes the run may keep on the tier (a streaming run), which is what ``auto`` must find."""
+    ``cache_limit``: the bytes the run may keep on the tier (a streaming run), which is what ``auto`` must find.
+    ``early_scan``: scan a large published copy of the dataset in another process meanwhile (for the fast check).
+    """
     env = dict(os.environ) if env is None else env
     say = on_event or (lambda text: log.info("%s", text))
     t0 = time.perf_counter()
     source = Source(src, opts.storage_options)
-    listing = Listing.of(take_shard(source.listing(opts.include, opts.exclude), opts.shard))
-    total = listing.total_bytes
     identity = source.identity() + _selection_suffix(opts)
     key = dataset_key(identity)
+    early = _scan_published_early(opts, key, env) if early_scan else None
+    try:
+        listing = Listing.of(take_shard(source.listing(opts.include, opts.exclude), opts.shard))
+    except BaseException:
+        if early is not None:
+            early.close()
+        raise
+    total = listing.total_bytes
     needed = total if cache_limit is None else min(total, cache_limit)
     tier, why = resolve_root(opts.root, needed, key, max_ram_fraction=opts.max_ram_fraction, env=env,
                              user=current_user(), create=not opts.dry_run)
     say(f"{'would stage' if opts.dry_run else verb} {source.url} ({len(listing)} files, {human_bytes(total)}) "
         f"into {tier.describe()}: {why}")
     run = StageRun(source=source, listing=listing, opts=opts, tier=tier, why=why, ddir=DatasetDir(tier.path / key),
-                   t0=t0, say=say)
+                   t0=t0, say=say, early=early)
     return run, identity
+
+
+EARLY_SCAN_MANIFEST_BYTES = 1 << 20  #: a published copy whose manifest is this large (~15,000 files) is scanned early
+
+
+def _scan_published_early(opts: StageOptions, key: str, env: Mapping[str, str]) -> BackgroundScan | None:
+    """Start scanning the published copy a fast check will look at, if there is a large one where the root
+    will be found (the given root, or an ``auto`` candidate holding this dataset) and a second core."""
+    if opts.dry_run or opts.verify != "fast" or usable_cores() < 2:
+        return None
+    if opts.root != "auto" or env.get("STAGINGLOADER_ROOT"):
+        roots = [Path(opts.root if opts.root != "auto" else env["STAGINGLOADER_ROOT"]).expanduser().absolute()]
+    else:
+        roots = [path for path, _why in auto_candidates(env, current_user())]
+    for root in roots:
+        ddir = DatasetDir(root / key)
+        try:
+            version = ddir.current()
+            if version is None:
+                continue
+            manifest = os.lstat(ddir.version_dir(version) / "manifest.json")
+        except (OSError, CacheError):
+            return None  # the stage itself says what is wrong there
+        if not stat.S_ISREG(manifest.st_mode) or manifest.st_size < EARLY_SCAN_MANIFEST_BYTES:
+            return None
+        return BackgroundScan(ddir.version_dir(version) / "data")
+    return None
 
 
 def someone_elses(run: StageRun) -> bool:
@@ -191,6 +231,7 @@ class StageRun:
     ddir: DatasetDir
     t0: float
     say: Callable[[str], None]
+    early: BackgroundScan | None = None  #: the published copy's scan, started while the source was listed
 
     @property
     def workers(self) -> int:
@@ -342,7 +383,7 @@ def _check_base(run: StageRun, base_version: str | None, base: Manifest | None,
     if run.opts.verify == "full":
         base_bad, _ = check_full(data, base, run.workers)
     else:
-        base_bad = check_fast(data, base)
+        base_bad = check_fast(data, base, run.early.result_for(data) if run.early is not None else None)
     for rel in run.ddir.read_repairs().get(base_version, []):
         base_bad.setdefault(rel, CORRUPT)
     if expected is not None:  # the source manifest's digests, compared column-wise

@@ -17,16 +17,19 @@ from ..cache.layout import DatasetDir, find_dataset_dir
 from ..cache.manifest import Manifest
 from ..errors import ManifestError
 from .copyplan import CORRUPT, MISSING
+from .listing import Listing
 from .result import StagedDataset, VerifyReport
 from .scanning import scan_staged_tree
 
 
-def check_fast(data: Path, manifest: Manifest) -> dict[str, str]:
+def check_fast(data: Path, manifest: Manifest, found: Listing | None = None) -> dict[str, str]:
     """Staged files whose size or mtime differ from the manifest (no hashing): rel -> reason.
 
-    One sorted scan of the staged tree (``os.scandir``, never through a link) compared with the manifest's
-    columns: row to row when the same paths are there, which is the common case, else joined by path."""
-    found = scan_staged_tree(data)
+    One sorted scan of the staged tree (``os.scandir``, never through a link; ``found``: that scan, made
+    already) compared with the manifest's columns: row to row when the same paths are there, which is the
+    common case, else joined by path."""
+    if found is None:
+        found = scan_staged_tree(data)
     if found.path.same_as(manifest.path):  # every file there, nothing else: whole columns compared
         mtime = manifest.mtime_ns
         wrong = (found.size != manifest.size) | ((mtime != 0) & (found.mtime_ns != mtime))

@@ -159,3 +159,50 @@ def test_temp_folders_a_killed_worker_left_are_swept_and_never_followed(tmp_path
     incoming.sweep({})
     assert list(incoming.partial.iterdir()) == []
     assert (outside / "keep.txt").read_text() == "not the cache's"
+
+
+@pytest.mark.parametrize("tamper", ["none", "truncate", "delete"])
+def test_a_restage_scans_the_published_copy_while_it_lists_and_still_finds_damage(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tamper: str) -> None:
+    from stagingloader.staging import scanning, stager
+
+    src = make_tree(tmp_path / "src", {f"d{i % 5}/f{i:03d}.bin": 50 + 131 * i for i in range(120)})
+    root = tmp_path / "root"
+    first = sl.stage(str(src), str(root))
+    assert isinstance(first, sl.StagedDataset)
+    monkeypatch.setattr(stager, "EARLY_SCAN_MANIFEST_BYTES", 0)  # any published copy counts as large here
+    monkeypatch.setattr(stager, "usable_cores", lambda: 2)
+    results: list[bool] = []
+    real = scanning.BackgroundScan.result_for
+
+    def spy(self: scanning.BackgroundScan, top: Any) -> Any:
+        out = real(self, top)
+        results.append(out is not None)
+        return out
+
+    monkeypatch.setattr(scanning.BackgroundScan, "result_for", spy)
+    victim = first.root / "d2" / "f007.bin"
+    if tamper == "truncate":
+        st = victim.stat()
+        victim.chmod(0o644)
+        victim.write_bytes(victim.read_bytes()[:-1])
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    elif tamper == "delete":
+        victim.unlink()
+    again = sl.stage(str(src), str(root))
+    assert isinstance(again, sl.StagedDataset) and again.report is not None
+    assert results == [True], "the scan made while listing was the one the check used"
+    assert again.report.repaired_files == (0 if tamper == "none" else 1)
+    assert tree_digests(again.root) == tree_digests(src)
+
+
+def test_an_early_scan_of_another_version_is_not_used(tmp_path: Path) -> None:
+    from stagingloader.staging.scanning import BackgroundScan
+
+    a = make_tree(tmp_path / "a", {"x.bin": 10})
+    b = make_tree(tmp_path / "b", {"y.bin": 20})
+    scan = BackgroundScan(a)
+    assert scan.result_for(b) is None
+    scan = BackgroundScan(a)
+    found = scan.result_for(a)
+    assert found is not None and list(found.path) == ["x.bin"]
