@@ -25,7 +25,6 @@ import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import xxhash
@@ -33,9 +32,8 @@ import xxhash
 from .. import digest as dg
 from ..errors import NoSpaceError, RootError, SourceChangedError, StagingError, VerificationError
 from . import stable
-from .incoming import Incoming
+from .files import DataFolders, SourceFile
 from .retry import RetryPolicy, as_source_error, call_with_retry, is_transient_os_error
-from .sources import SourceFile
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +72,7 @@ class Worker:
         self.target = target
         self.stop = stop
         self.read_range = read_range  #: a remote source's reader (threads only)
-        self.incoming = Incoming(Path(target.incoming))
+        self.folders = DataFolders(f"{target.incoming}/data", target.incoming)
         # this process's own temp folder: two processes creating and renaming files out of one folder contend for
         # its lock (10 % more CPU per 4 KiB file here); made at the first file
         self.partial = f"{target.incoming}/.partial/w{os.getpid()}/"
@@ -210,7 +208,7 @@ class Worker:
                 f"{where}: digest {digest} does not match the source manifest's {want}; the bytes were corrupted "
                 "on the way or the source changed since `stagingloader manifest` ran (run it again if the change "
                 "is intended)")
-        self.incoming.ensure_parent(final)
+        self.folders.ensure_parent(final)
         os.rename(tmp, final)
 
     # ---- ranges of large files -----------------------------------------------------------------

@@ -32,8 +32,8 @@ from .. import digest as dg
 from ..cache import trust
 from ..cache.columns import Int64Array, RowArray
 from ..cache.manifest import Entry
-from ..errors import CacheError
 from ..fsio import atomic_write
+from .files import DataFolders
 from .listing import Listing, SourceFile
 
 
@@ -87,7 +87,7 @@ class Incoming:
         self._buffer: list[str] = []
         self._last_flush = time.monotonic()
         self._fd: int | None = None
-        self._dirs: set[str] = set()
+        self._folders = DataFolders(self.data, path)
         self._pending: dict[str, int] = {}  # rel -> listing row, for the files handed out and not yet recorded
         self._listing: Listing | None = None
         self._have = np.zeros(0, dtype=bool)  # per listing row: recorded by this run
@@ -287,27 +287,8 @@ class Incoming:
 
     # ---- files -----------------------------------------------------------------------------
     def ensure_parent(self, final: str | Path) -> None:
-        """Create the parent folders of ``final`` one by one under ``data/``; refuse a link on the way (planted in
-        the cache): nothing is created or written through it."""
-        parent = os.path.dirname(final)
-        if parent in self._dirs:
-            return
-        rel = os.path.relpath(parent, self.data)
-        if rel.startswith(".."):
-            raise CacheError(f"refusing to write {final}: it is outside {self.data}")
-        p = self.data
-        for part in ([] if rel == "." else rel.split("/")):
-            p = p / part
-            if str(p) in self._dirs:
-                continue
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(p, 0o755)
-            st = os.lstat(p)
-            if not stat.S_ISDIR(st.st_mode):
-                raise CacheError(f"refusing to write through {p}: it is {trust.kind_of(st)}, not a folder, so the "
-                                 f"cache was tampered with; remove {self.path} (rm -r {self.path}) and stage again")
-            self._dirs.add(str(p))
-        self._dirs.add(parent)
+        """Create the parent folders of ``final`` under ``data/``, never through a link (see :class:`DataFolders`)."""
+        self._folders.ensure_parent(final)
 
     def remove_partials(self) -> None:
         trust.remove_tree(self.partial)

@@ -15,7 +15,6 @@ import itertools
 import os
 import stat
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, overload
 
 import numpy as np
@@ -23,23 +22,7 @@ import numpy.typing as npt
 
 from ..cache.columns import CHUNK_ROWS, Int64Array, RowArray, StrBuilder, StrColumn, as_int64, encode, int_column
 from ..errors import SourceError, UnsafePathError
-
-
-@dataclass(frozen=True, slots=True)
-class SourceFile:
-    """One file of a listing: its relative path under the source, size and fingerprint."""
-
-    rel: str
-    size: int
-    mtime_ns: int
-    etag: str = ""
-    dev: int = 0  #: a local file's device and inode as listed: the copier refuses another file under its name
-    ino: int = 0
-
-    def __reduce__(self) -> tuple[type[SourceFile], tuple[str, int, int, str, int, int]]:
-        # a plain constructor call: a slotted dataclass pickles through Python-level __getstate__ otherwise,
-        # which cost the stager about 10 us per file it handed to a copy worker
-        return SourceFile, (self.rel, self.size, self.mtime_ns, self.etag, self.dev, self.ino)
+from .files import SourceFile as SourceFile  # re-exported: where it was defined first
 
 
 class Listing(Sequence[SourceFile]):
