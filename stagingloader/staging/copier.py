@@ -403,8 +403,9 @@ class Copier:
         batch = self._batch
         feed = self._feed
         assert feed is not None
+        take, local_path, expected = feed.take, self.source.local_path, self.expected.get  # bound once: per file
         while not self._exhausted and not self.stop.is_set():
-            f = feed.take()
+            f = take()
             if f is None:
                 if feed.error is not None:
                     raise feed.error
@@ -427,7 +428,7 @@ class Copier:
                 if job is not None:
                     return job
                 continue
-            batch.items.append((f, self.source.local_path(f.rel), self.expected.get(f.rel, "")))
+            batch.items.append((f, local_path(f.rel), expected(f.rel, "")))
             batch.nbytes += f.size
             self._pulled_small += 1
             if self._pulled_small >= s.process_min_files:

@@ -94,14 +94,64 @@ class Worker:
         """Copy small files one after the other; return the entries of those renamed into ``data/`` and the error
         that stopped the batch (None if none did)."""
         done: list[EntryTuple] = []
+        quick = self.read_range is None
         for f, path, want in items:
             if self.stop.is_set():
                 break
             try:
-                done.append(self.copy_small(f, path, want))
+                got = self._quick_small(f, path, want) if quick and f.size < SENDFILE_MIN else None
+                done.append(got if got is not None else self.copy_small(f, path, want))
             except BaseException as e:  # handed to the caller, which re-raises it
                 return done, as_root_error(e)
         return done, None
+
+    def _quick_small(self, f: SourceFile, path: str, want: str) -> EntryTuple | None:
+        """:meth:`copy_small` for the usual local small file, without its layers (retries, messages): one read,
+        one write, the same checks.  None when anything is unusual (an error, a file that changed or is not
+        what was listed, a digest the source manifest does not expect): nothing is left behind, and the caller
+        then copies the file the careful way, which retries or says what is wrong.  Half the Python time per
+        4 KiB file."""
+        tmp = f"{self.partial}{self.new_name()}.tmp"
+        try:
+            src, before = stable.open_listed(path, f)
+        except Exception:  # said by the careful way
+            return None
+        made = False
+        try:
+            size = before.size
+            if size >= SENDFILE_MIN:
+                return None
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            made = True
+            try:
+                view = self.buffer()[:size]
+                if (os.readv(src, [view]) if size else 0) != size:
+                    return None
+                digest = dg.PREFIX + xxhash.xxh3_128_hexdigest(view)
+                if size and os.write(fd, view) != size:
+                    return None
+                after = os.fstat(src)
+                if (after.st_size, after.st_mtime_ns, after.st_ctime_ns, after.st_ino, after.st_dev) != (
+                        size, before.mtime_ns, before.ctime_ns, before.ino, before.dev):
+                    return None
+                if before.mtime_ns:
+                    os.utime(fd, ns=(before.mtime_ns, before.mtime_ns))
+                if self.target.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if want and want != digest:
+                return None
+            self.publish(path, tmp, f"{self.data}/{f.rel}", digest, want)
+            made = False
+            return (f.rel, size, before.mtime_ns, "", digest)
+        except OSError:  # said by the careful way
+            return None
+        finally:
+            os.close(src)
+            if made:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     def copy_small(self, f: SourceFile, path: str, want: str) -> EntryTuple:
         """Copy one small file (``path``: where a local source has it) and rename it into ``data/``."""

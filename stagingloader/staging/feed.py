@@ -57,7 +57,7 @@ class Feed:
 
     def __init__(self, files: Iterable[SourceFile], wakeup: Wakeup) -> None:
         self._direct = isinstance(files, (Sequence, Direct))
-        self._it = iter(files)
+        self._it = files._it if isinstance(files, Direct) else iter(files)  # one next() a file, not two
         self._wakeup = wakeup
         self._items: collections.deque[SourceFile] = collections.deque()
         self._credits = threading.Semaphore(0)

@@ -65,6 +65,13 @@ def _json_str(text: str) -> str:
     return json.dumps(text, ensure_ascii=False) if _NEEDS_ESCAPE.search(text) else f'"{text}"'
 
 
+def journal_lines(done: list[tuple[str, int, int, str, str]]) -> list[str]:
+    """:func:`journal_line` of each tuple: in one pass when no path or ETag needs escaping (the usual case)."""
+    if not any([t[3] for t in done]) and not _NEEDS_ESCAPE.search("".join([t[0] for t in done])):
+        return [f'["{p}", {size}, {mtime}, "", "{digest}"]' for p, size, mtime, _, digest in done]
+    return [journal_line(*t) for t in done]
+
+
 def journal_line(path: str, size: int, mtime_ns: int, etag: str, digest: str) -> str:
     """One journal line: the JSON list ``[path, size, mtime_ns, etag, digest]``; ``json.dumps`` only for the
     strings that need escaping (it cost the stager 5 us a file)."""
@@ -123,7 +130,7 @@ class Incoming:
         Entry objects, when the caller made them anyway, for :attr:`on_record`)."""
         if not done:
             return
-        lines = [journal_line(*t) for t in done]
+        lines = journal_lines(done)
         with self._lock:
             pending = self._pending
             rows = [pending.pop(t[0], -1) for t in done]
@@ -167,10 +174,10 @@ class Incoming:
             self._listing = listing
             self._have = np.zeros(len(listing), dtype=bool)
             self._digest = np.zeros((len(listing), 16), dtype=np.uint8)
-        return listing.iter_rows(rows, on_row=self._expect)
+        return listing.iter_rows(rows, on_rows=self._expect)
 
-    def _expect(self, rel: str, row: int) -> None:
-        self._pending[rel] = row  # one dict store is atomic: no lock (this runs once per file handed out)
+    def _expect(self, rels: list[str], rows: list[int]) -> None:
+        self._pending.update(zip(rels, rows))  # atomic under the interpreter's lock, and runs a chunk at a time
 
     def row_of(self, rel: str) -> int:
         """The listing row of a file handed out by :meth:`track` and not yet recorded, else -1."""

@@ -92,25 +92,24 @@ class Listing(Sequence[SourceFile]):
     def __iter__(self) -> Iterator[SourceFile]:
         return self.iter_rows(None)
 
-    def iter_rows(self, rows: RowArray | None, on_row: Callable[[str, int], None] | None = None,
+    def iter_rows(self, rows: RowArray | None, on_rows: Callable[[list[str], list[int]], None] | None = None,
                   ) -> Iterator[SourceFile]:
-        """SourceFile objects for ``rows`` (all when None), made a chunk at a time; ``on_row(rel, row)`` sees each."""
+        """SourceFile objects for ``rows`` (all when None), made a chunk at a time; ``on_rows(rels, rows)`` sees
+        each chunk before its files are yielded."""
         n = len(self) if rows is None else len(rows)
         has_etag = self.etag.any_nonempty()
         blob = memoryview(self.path.blob)
         offsets = self.path.offsets
         for start in range(0, n, CHUNK_ROWS):
             part = np.arange(start, min(n, start + CHUNK_ROWS)) if rows is None else rows[start:start + CHUNK_ROWS]
-            rels = (bytes(blob[a:b]).decode("utf-8", "surrogateescape")
-                    for a, b in zip(offsets[part].tolist(), offsets[part + 1].tolist()))
-            etags: Iterable[str] = (self.etag[r] for r in part.tolist()) if has_etag else itertools.repeat("")
-            for r, rel, size, mtime, etag, dev, ino in zip(part.tolist(), rels, self.size[part].tolist(),
-                                                           self.mtime_ns[part].tolist(), etags,
-                                                           self.dev_table[self.dev_index[part]].tolist(),
-                                                           self.ino[part].tolist()):
-                if on_row is not None:
-                    on_row(rel, r)
-                yield SourceFile(rel, size, mtime, etag, dev, ino)
+            at = part.tolist()
+            rels = [bytes(blob[a:b]).decode("utf-8", "surrogateescape")
+                    for a, b in zip(offsets[part].tolist(), offsets[part + 1].tolist())]
+            etags: Iterable[str] = [self.etag[r] for r in at] if has_etag else itertools.repeat("")
+            if on_rows is not None:
+                on_rows(rels, at)
+            yield from map(SourceFile, rels, self.size[part].tolist(), self.mtime_ns[part].tolist(), etags,
+                           self.dev_table[self.dev_index[part]].tolist(), self.ino[part].tolist())
 
     def take(self, rows: Int64Array) -> Listing:
         return Listing(self.path.take(rows), self.size[rows], self.mtime_ns[rows],

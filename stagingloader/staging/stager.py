@@ -169,6 +169,9 @@ def open_run(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = No
 
 
 EARLY_SCAN_MANIFEST_BYTES = 1 << 20  #: a published copy whose manifest is this large (~15,000 files) is scanned early
+#: ... and up to this large (~1,000,000 files): the scan comes back pickled, and for 10 million files holding it
+#: twice for a moment would cost more memory (about 1 GB) than the second core saves time
+EARLY_SCAN_MAX_MANIFEST_BYTES = 64 << 20
 
 
 def _scan_published_early(opts: StageOptions, key: str, env: Mapping[str, str]) -> BackgroundScan | None:
@@ -189,7 +192,8 @@ def _scan_published_early(opts: StageOptions, key: str, env: Mapping[str, str]) 
             manifest = os.lstat(ddir.version_dir(version) / "manifest.json")
         except (OSError, CacheError):
             return None  # the stage itself says what is wrong there
-        if not stat.S_ISREG(manifest.st_mode) or manifest.st_size < EARLY_SCAN_MANIFEST_BYTES:
+        if not stat.S_ISREG(manifest.st_mode) or not (
+                EARLY_SCAN_MANIFEST_BYTES <= manifest.st_size <= EARLY_SCAN_MAX_MANIFEST_BYTES):
             return None
         return BackgroundScan(ddir.version_dir(version) / "data")
     return None

@@ -161,7 +161,7 @@ def test_temp_folders_a_killed_worker_left_are_swept_and_never_followed(tmp_path
     assert (outside / "keep.txt").read_text() == "not the cache's"
 
 
-@pytest.mark.parametrize("tamper", ["none", "truncate", "delete"])
+@pytest.mark.parametrize("tamper", ["none", "truncate", "delete", "too large to scan early"])
 def test_a_restage_scans_the_published_copy_while_it_lists_and_still_finds_damage(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tamper: str) -> None:
     from stagingloader.staging import scanning, stager
@@ -172,6 +172,8 @@ def test_a_restage_scans_the_published_copy_while_it_lists_and_still_finds_damag
     assert isinstance(first, sl.StagedDataset)
     monkeypatch.setattr(stager, "EARLY_SCAN_MANIFEST_BYTES", 0)  # any published copy counts as large here
     monkeypatch.setattr(stager, "usable_cores", lambda: 2)
+    if tamper == "too large to scan early":  # its scan would come back too large to hold twice
+        monkeypatch.setattr(stager, "EARLY_SCAN_MAX_MANIFEST_BYTES", 10)
     results: list[bool] = []
     real = scanning.BackgroundScan.result_for
 
@@ -191,8 +193,11 @@ def test_a_restage_scans_the_published_copy_while_it_lists_and_still_finds_damag
         victim.unlink()
     again = sl.stage(str(src), str(root))
     assert isinstance(again, sl.StagedDataset) and again.report is not None
-    assert results == [True], "the scan made while listing was the one the check used"
-    assert again.report.repaired_files == (0 if tamper == "none" else 1)
+    if tamper == "too large to scan early":
+        assert results == [], "scanned by the check itself"
+    else:
+        assert results == [True], "the scan made while listing was the one the check used"
+    assert again.report.repaired_files == (1 if tamper in ("truncate", "delete") else 0)
     assert tree_digests(again.root) == tree_digests(src)
 
 
@@ -206,3 +211,36 @@ def test_an_early_scan_of_another_version_is_not_used(tmp_path: Path) -> None:
     scan = BackgroundScan(a)
     found = scan.result_for(a)
     assert found is not None and list(found.path) == ["x.bin"]
+
+
+def test_the_quick_small_file_path_falls_back_and_leaves_nothing(tmp_path: Path) -> None:
+    """A digest the source manifest does not expect, and a file gone since the listing, take the careful path,
+    which says what is wrong; no temp file stays behind either way."""
+    from stagingloader.errors import SourceChangedError, VerificationError
+    from stagingloader.staging.copyops import Target, Worker
+    from stagingloader.staging.retry import RetryPolicy
+
+    src = make_tree(tmp_path / "src", {"ok.bin": 3000, "bad.bin": 4000, "gone.bin": 5000})
+    listed = {f.rel: f for f in Source(str(src)).listing()}
+    incoming = Incoming(tmp_path / "incoming")
+    incoming.open()
+    worker = Worker(Target(incoming=str(incoming.path), source_url=str(src), fsync=False, retry=RetryPolicy()),
+                    threading.Event())
+    done, err = worker.copy_batch([(listed["ok.bin"], str(src / "ok.bin"), ""),
+                                   (listed["bad.bin"], str(src / "bad.bin"), "xxh3_128:" + "00" * 16)])
+    assert [t[0] for t in done] == ["ok.bin"] and isinstance(err, VerificationError)
+    assert "bad.bin" in str(err)
+    (src / "gone.bin").unlink()
+    done, err = worker.copy_batch([(listed["gone.bin"], str(src / "gone.bin"), "")])
+    assert done == [] and isinstance(err, SourceChangedError) and "gone.bin" in str(err)
+    assert [p.name for p in incoming.partial.rglob("*") if p.is_file()] == []
+    assert tree_digests(incoming.data) == {"ok.bin": tree_digests(src)["ok.bin"]}
+
+
+def test_journal_lines_of_a_batch_read_back_with_or_without_odd_names() -> None:
+    from stagingloader.staging.incoming import journal_lines
+
+    plain = [(f"d/f{i}.bin", i, 10 * i, "", "xxh3_128:" + f"{i:032x}") for i in range(5)]
+    odd = [*plain, ('q"uote', 1, 2, "", "xxh3_128:" + "0" * 32), ("e", 3, 4, '"etag"', "xxh3_128:" + "1" * 32)]
+    for batch in (plain, odd):
+        assert [json.loads(line) for line in journal_lines(batch)] == [list(t) for t in batch]
