@@ -1,4 +1,6 @@
-"""Progress for the CLI, as fsspec callback objects: a tqdm bar on a terminal, plain lines otherwise."""
+"""Progress for the CLI, as fsspec-style callback objects (``set_size``, ``relative_update``: what the stager calls):
+a tqdm bar on a terminal, plain lines otherwise.  Not a subclass of fsspec's ``Callback``: importing fsspec
+cost every command 50 ms of start-up, and nothing hands these to fsspec."""
 
 from __future__ import annotations
 
@@ -6,17 +8,16 @@ import sys
 import time
 from typing import Any, TextIO
 
-from fsspec.callbacks import Callback
-
 from ..units import human_bytes
 
 
-class StageProgress(Callback):  # type: ignore[misc]
+class StageProgress:
     """Bytes and files; ``mode`` is 'bar' (tqdm), 'lines' (a line every ``every`` s) or 'none'."""
 
     def __init__(self, mode: str, description: str = "staging", stream: TextIO | None = None,
                  every: float = 10.0) -> None:
-        super().__init__()
+        self.size: int | None = None
+        self.value = 0
         self.mode = mode
         self.description = description
         self.stream = stream or sys.stderr
