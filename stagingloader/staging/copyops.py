@@ -37,6 +37,21 @@ from .retry import RetryPolicy, as_source_error, call_with_retry, is_transient_o
 
 log = logging.getLogger(__name__)
 
+def _find_syncfs() -> Callable[[int], int] | None:
+    """libc's ``syncfs(fd)`` (Linux), or None."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.syncfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNCFS = _find_syncfs()
 SENDFILE_MIN = 64 << 10  #: smaller files go through the buffer (see the module docstring)
 BUFFER_SIZE = 1 << 20  #: the reused read buffer of small files
 _NO_SENDFILE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV, errno.ESPIPE}
@@ -92,25 +107,73 @@ class Worker:
     # ---- small files -------------------------------------------------------------------------
     def copy_batch(self, items: list[Item]) -> tuple[list[EntryTuple], BaseException | None]:
         """Copy small files one after the other; return the entries of those renamed into ``data/`` and the error
-        that stopped the batch (None if none did)."""
+        that stopped the batch (None if none did).
+
+        With fsync on, a batch is made durable at once: its files are written under their temp names, one
+        ``syncfs`` of the staging file system flushes them all, and only then are they renamed into ``data/``
+        (a file under its final name has durable bytes, as with an ``fsync`` per file, which cost 2.2x the
+        whole copy of 20,000 x 100 KiB files to ext4 here)."""
+        batched = self.target.fsync and len(items) > 1 and self._syncfs_ok
+        written: list[tuple[str, str, str, str, str, EntryTuple]] = []  # where, tmp, final, digest, want, entry
         done: list[EntryTuple] = []
+        err: BaseException | None = None
         quick = self.read_range is None
         for f, path, want in items:
             if self.stop.is_set():
                 break
             try:
-                got = self._quick_small(f, path, want) if quick and f.size < SENDFILE_MIN else None
-                done.append(got if got is not None else self.copy_small(f, path, want))
+                got = self._quick_write(f, path, sync=not batched) if quick and f.size < SENDFILE_MIN else None
+                tmp, entry = got if got is not None else self._careful_write(f, path, sync=not batched)
+                final = f"{self.data}/{f.rel}"
+                if batched:
+                    written.append((path, tmp, final, entry[4], want, entry))
+                else:
+                    self.publish(path, tmp, final, entry[4], want)
+                    done.append(entry)
             except BaseException as e:  # handed to the caller, which re-raises it
-                return done, as_root_error(e)
-        return done, None
+                err = as_root_error(e)
+                break
+        if written:
+            try:
+                self._sync_written([w[1] for w in written])
+                for where, tmp, final, digest, want, entry in written:
+                    self.publish(where, tmp, final, digest, want)
+                    done.append(entry)
+            except BaseException as e:  # what is not renamed stays a temp file: swept, copied again
+                err = err or as_root_error(e)
+        return done, err
 
-    def _quick_small(self, f: SourceFile, path: str, want: str) -> EntryTuple | None:
-        """:meth:`copy_small` for the usual local small file, without its layers (retries, messages): one read,
-        one write, the same checks.  None when anything is unusual (an error, a file that changed or is not
-        what was listed, a digest the source manifest does not expect): nothing is left behind, and the caller
-        then copies the file the careful way, which retries or says what is wrong.  Half the Python time per
-        4 KiB file."""
+    def copy_small(self, f: SourceFile, path: str, want: str) -> EntryTuple:
+        """Copy one small file (``path``: where a local source has it) and rename it into ``data/``."""
+        tmp, entry = self._careful_write(f, path, sync=self.target.fsync)
+        self.publish(path, tmp, f"{self.data}/{f.rel}", entry[4], want)
+        return entry
+
+    @property
+    def _syncfs_ok(self) -> bool:
+        return _SYNCFS is not None
+
+    def _sync_written(self, tmps: list[str]) -> None:
+        """Make the temp files ``tmps`` durable: one ``syncfs`` of their file system, else an ``fsync`` each."""
+        if _SYNCFS is not None:
+            fd = os.open(self.partial, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                if _SYNCFS(fd) == 0:
+                    return
+            finally:
+                os.close(fd)
+        for tmp in tmps:
+            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _quick_write(self, f: SourceFile, path: str, *, sync: bool) -> tuple[str, EntryTuple] | None:
+        """The usual local small file written under a temp name, without the careful path's layers (retries,
+        messages): one read, one write, the same checks.  None when anything is unusual (an error, a file that
+        changed or is not what was listed): nothing is left behind, and the caller then copies the file the
+        careful way, which retries or says what is wrong.  Half the Python time per 4 KiB file."""
         tmp = f"{self.partial}{self.new_name()}.tmp"
         try:
             src, before = stable.open_listed(path, f)
@@ -136,15 +199,12 @@ class Worker:
                     return None
                 if before.mtime_ns:
                     os.utime(fd, ns=(before.mtime_ns, before.mtime_ns))
-                if self.target.fsync:
+                if sync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            if want and want != digest:
-                return None
-            self.publish(path, tmp, f"{self.data}/{f.rel}", digest, want)
             made = False
-            return (f.rel, size, before.mtime_ns, "", digest)
+            return tmp, (f.rel, size, before.mtime_ns, "", digest)
         except OSError:  # said by the careful way
             return None
         finally:
@@ -153,8 +213,8 @@ class Worker:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
 
-    def copy_small(self, f: SourceFile, path: str, want: str) -> EntryTuple:
-        """Copy one small file (``path``: where a local source has it) and rename it into ``data/``."""
+    def _careful_write(self, f: SourceFile, path: str, *, sync: bool) -> tuple[str, EntryTuple]:
+        """Write one small file under a temp name, with retries and every check; the temp name and the entry."""
         tmp = f"{self.partial}{self.new_name()}.tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
@@ -168,7 +228,7 @@ class Worker:
                 mtime_ns, size, etag = f.mtime_ns, f.size, f.etag
             if mtime_ns:
                 os.utime(fd, ns=(mtime_ns, mtime_ns))
-            if self.target.fsync:
+            if sync:
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -176,8 +236,7 @@ class Worker:
                 os.unlink(tmp)
             raise
         os.close(fd)
-        self.publish(path, tmp, f"{self.data}/{f.rel}", digest, want)
-        return (f.rel, size, mtime_ns, etag, digest)
+        return tmp, (f.rel, size, mtime_ns, etag, digest)
 
     def new_name(self) -> str:
         with self._lock:

@@ -244,3 +244,60 @@ def test_journal_lines_of_a_batch_read_back_with_or_without_odd_names() -> None:
     odd = [*plain, ('q"uote', 1, 2, "", "xxh3_128:" + "0" * 32), ("e", 3, 4, '"etag"', "xxh3_128:" + "1" * 32)]
     for batch in (plain, odd):
         assert [json.loads(line) for line in journal_lines(batch)] == [list(t) for t in batch]
+
+
+def _fsync_worker(tmp_path: Path) -> tuple[Any, Incoming]:
+    from stagingloader.staging.copyops import Target, Worker
+    from stagingloader.staging.retry import RetryPolicy
+
+    incoming = Incoming(tmp_path / "incoming")
+    incoming.open()
+    target = Target(incoming=str(incoming.path), source_url=str(tmp_path / "src"), fsync=True, retry=RetryPolicy())
+    return Worker(target, threading.Event()), incoming
+
+
+def test_a_batch_on_a_disk_is_made_durable_by_one_syncfs_before_any_rename(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stagingloader.staging import copyops
+
+    src = make_tree(tmp_path / "src", {f"d{i % 2}/f{i}.bin": 1000 + 4099 * i for i in range(12)})
+    listed = list(Source(str(src)).listing())
+    worker, incoming = _fsync_worker(tmp_path)
+    calls: list[tuple[str, int]] = []
+    real_syncfs, real_fsync = copyops._SYNCFS, os.fsync
+    assert real_syncfs is not None, "Linux has syncfs"
+
+    def syncfs(fd: int) -> int:
+        renamed = sum(1 for p in incoming.data.rglob("*") if p.is_file())
+        calls.append(("syncfs", renamed))
+        return int(real_syncfs(fd))
+
+    def fsync(fd: int) -> None:
+        calls.append(("fsync", 0))
+        real_fsync(fd)
+
+    monkeypatch.setattr(copyops, "_SYNCFS", syncfs)
+    monkeypatch.setattr(os, "fsync", fsync)
+    done, err = worker.copy_batch([(f, str(src / f.rel), "") for f in listed])
+    assert err is None and sorted(t[0] for t in done) == sorted(f.rel for f in listed)
+    assert calls == [("syncfs", 0)], "one syncfs for the batch, before any file was renamed into data/"
+    assert tree_digests(incoming.data) == tree_digests(src)
+    calls.clear()
+    one = make_tree(tmp_path / "one", {"alone.bin": 5000})
+    (f1,) = list(Source(str(one)).listing())
+    done, err = worker.copy_batch([(f1, str(one / "alone.bin"), "")])
+    assert err is None and calls == [("fsync", 0)], "a batch of one (a streaming run) fsyncs its file"
+
+
+def test_a_bad_file_in_a_durable_batch_keeps_the_good_ones_and_names_the_bad(tmp_path: Path) -> None:
+    from stagingloader.errors import VerificationError
+
+    src = make_tree(tmp_path / "src", {"a.bin": 100, "b.bin": 200, "c.bin": 300})
+    listed = {f.rel: f for f in Source(str(src)).listing()}
+    worker, incoming = _fsync_worker(tmp_path)
+    done, err = worker.copy_batch([(listed["a.bin"], str(src / "a.bin"), ""),
+                                   (listed["b.bin"], str(src / "b.bin"), "xxh3_128:" + "00" * 16),
+                                   (listed["c.bin"], str(src / "c.bin"), "")])
+    assert [t[0] for t in done] == ["a.bin"] and isinstance(err, VerificationError) and "b.bin" in str(err)
+    assert sorted(p.name for p in incoming.data.iterdir()) == ["a.bin"]
+    assert not (incoming.data / "b.bin").exists()
