@@ -301,3 +301,28 @@ def test_a_bad_file_in_a_durable_batch_keeps_the_good_ones_and_names_the_bad(tmp
     assert [t[0] for t in done] == ["a.bin"] and isinstance(err, VerificationError) and "b.bin" in str(err)
     assert sorted(p.name for p in incoming.data.iterdir()) == ["a.bin"]
     assert not (incoming.data / "b.bin").exists()
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_a_large_files_ranges_start_their_writeback_when_fsync_is_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: bool) -> None:
+    from stagingloader.staging import copyops
+
+    src = make_tree(tmp_path / "src", {"big.bin": (3 << 20) + 777})
+    real = copyops._SYNC_FILE_RANGE
+    assert real is not None, "Linux has sync_file_range"
+    seen: list[tuple[int, int]] = []
+
+    def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        seen.append((offset, nbytes))
+        return int(real(fd, offset, nbytes, flags))
+
+    monkeypatch.setattr(copyops, "_SYNC_FILE_RANGE", sync_file_range)
+    copier, incoming, listing = _copier(src, tmp_path, range_size=1 << 20, large_threshold=1 << 20, processes=0,
+                                        fsync=fsync)
+    copier.run(listing)
+    incoming.close()
+    assert tree_digests(incoming.data) == tree_digests(src)
+    size = (3 << 20) + 777
+    expected = [(o, min(1 << 20, size - o)) for o in range(0, size, 1 << 20)]
+    assert sorted(seen) == (expected if fsync else [])
