@@ -63,7 +63,9 @@ def test_a_miss_jumps_the_queue(src: Path, tmp_path: Path) -> None:
         got: list[bytes] = []
         reader.start()
         urgent = sim.sdir / f"urgent-{stream.reader_id(0)}"
-        while not urgent.exists():  # the reader asks before the stager copies anything
+        # the reader asks before the stager copies anything: wait for its row, not just its file (made empty first,
+        # then written: a stager that looked in between would copy another file and wait for the gate again)
+        while not urgent.exists() or urgent.stat().st_size < 8:
             reader.join(0.01)
         gate.set()  # one file may come now: the one asked for
         reader.join(30)
