@@ -381,7 +381,8 @@ class Copier:
         idle worker take ranges of another's file.
         """
         for lf in list(self._handing):
-            if self._owner[lf] is proc or (proc is not None and self._owner[lf] is None) or proc is None:
+            owner = self._owner[lf]
+            if proc is None or owner is proc or owner is None:  # this process takes any; a worker, its own or none's
                 self._owner[lf] = proc
                 job = self._next_range(lf)
                 if job is not None:

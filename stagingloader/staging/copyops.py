@@ -17,6 +17,7 @@ digest when there is one, and renamed into ``incoming/data``: a file there is wh
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
 import mmap
@@ -25,7 +26,7 @@ import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import xxhash
 
@@ -37,35 +38,19 @@ from .retry import RetryPolicy, as_source_error, call_with_retry, is_transient_o
 
 log = logging.getLogger(__name__)
 
-def _find_syncfs() -> Callable[[int], int] | None:
-    """libc's ``syncfs(fd)`` (Linux), or None."""
+def _libc(name: str, *argtypes: Any) -> Callable[..., int] | None:
+    """libc's function ``name`` taking ``argtypes`` and returning an int (Linux), or None where there is none."""
     try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.syncfs
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int]
+    fn.argtypes = list(argtypes)
     fn.restype = ctypes.c_int
-    return fn
+    return fn  # type: ignore[no-any-return]
 
 
-def _find_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """libc's ``sync_file_range(fd, offset, nbytes, flags)`` (Linux), or None."""
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNCFS = _find_syncfs()
-_SYNC_FILE_RANGE = _find_sync_file_range()
+_SYNCFS = _libc("syncfs", ctypes.c_int)
+_SYNC_FILE_RANGE = _libc("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 _SYNC_FILE_RANGE_WRITE = 2  #: start writeback of the range's dirty pages, do not wait
 SENDFILE_MIN = 64 << 10  #: smaller files go through the buffer (see the module docstring)
 BUFFER_SIZE = 1 << 20  #: the reused read buffer of small files
@@ -128,7 +113,7 @@ class Worker:
         ``syncfs`` of the staging file system flushes them all, and only then are they renamed into ``data/``
         (a file under its final name has durable bytes, as with an ``fsync`` per file, which cost 2.2x the
         whole copy of 20,000 x 100 KiB files to ext4 here)."""
-        batched = self.target.fsync and len(items) > 1 and self._syncfs_ok
+        batched = self.target.fsync and len(items) > 1 and _SYNCFS is not None
         written: list[tuple[str, str, str, str, str, EntryTuple]] = []  # where, tmp, final, digest, want, entry
         done: list[EntryTuple] = []
         err: BaseException | None = None
@@ -163,10 +148,6 @@ class Worker:
         tmp, entry = self._careful_write(f, path, sync=self.target.fsync)
         self.publish(path, tmp, f"{self.data}/{f.rel}", entry[4], want)
         return entry
-
-    @property
-    def _syncfs_ok(self) -> bool:
-        return _SYNCFS is not None
 
     def _sync_written(self, tmps: list[str]) -> None:
         """Make the temp files ``tmps`` durable: one ``syncfs`` of their file system, else an ``fsync`` each."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 import stagingloader as sl
 from tests.conftest import cli_json, run_cli
 from tests.support.faultproxy import FaultProxy
-from tests.support.s3server import S3Server
+from tests.support.s3server import S3Server, isolated_s3
 from tests.support.trees import content
 
 BUCKET = "data"
@@ -32,24 +31,14 @@ def _s3fs(server: S3Server) -> Any:
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     # nothing from the environment may lend credentials to the "no credentials" cases
-    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("AWS_")}
-    os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = "/nonexistent"
-    server = S3Server().start()
-    try:
-        server.make_bucket(BUCKET)
+    with isolated_s3(BUCKET, {k: content(k, n) for k, n in (SMALL | LARGE).items()}) as server:
         fs = _s3fs(server)
-        fs.pipe({f"{BUCKET}/{k}": content(k, n) for k, n in (SMALL | LARGE).items()})
         for key, size in MULTIPART.items():
             data = content(key, size)
             with fs.open(f"{BUCKET}/{key}", "wb", block_size=5 << 20) as f:
                 for off in range(0, size, 1 << 20):
                     f.write(data[off:off + (1 << 20)])
         yield server
-    finally:
-        server.stop()
-        os.environ.pop("AWS_CONFIG_FILE")
-        os.environ.pop("AWS_SHARED_CREDENTIALS_FILE")
-        os.environ.update(saved)
 
 
 def _expected(prefix: str = "ds/") -> dict[str, bytes]:
