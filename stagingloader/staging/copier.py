@@ -106,12 +106,13 @@ class _Job:
     large: LargeFile | None = None
     offset: int = 0
     length: int = 0
+    chain: bool = False  #: the range's worker also carries the file's running digest (see largefiles)
 
     def payload(self) -> tuple[str, Any]:
         if self.large is None:
             return "batch", self.items
         lf = self.large
-        return "range", (lf.file, lf.path, str(lf.tmp), self.offset, self.length)
+        return "range", (lf.file, lf.path, str(lf.tmp), self.offset, self.length, self.chain)
 
 
 def _execute(worker: Worker, job: _Job) -> tuple[Any, BaseException | None]:
@@ -120,7 +121,7 @@ def _execute(worker: Worker, job: _Job) -> tuple[Any, BaseException | None]:
         if job.large is None:
             return worker.copy_batch(job.items)
         lf = job.large
-        return worker.copy_range(lf.file, lf.path, str(lf.tmp), job.offset, job.length), None
+        return worker.copy_range(lf.file, lf.path, str(lf.tmp), job.offset, job.length, job.chain), None
     except BaseException as e:  # handed to the dispatcher, which re-raises it
         return None, as_root_error(e)
 
@@ -384,7 +385,7 @@ class Copier:
             owner = self._owner[lf]
             if proc is None or owner is proc or owner is None:  # this process takes any; a worker, its own or none's
                 self._owner[lf] = proc
-                job = self._next_range(lf)
+                job = self._next_range(lf, proc)
                 if job is not None:
                     return job
         job = self._next_from_feed(proc)
@@ -393,7 +394,7 @@ class Copier:
         # nothing new to take: help with the file that has the most ranges left
         while self._handing:
             lf = max(self._handing, key=lambda x: x.file.size - x.handed_out)
-            job = self._next_range(lf)
+            job = self._next_range(lf, proc)
             if job is not None:
                 return job
         return None
@@ -425,7 +426,7 @@ class Copier:
                 if batch.items:  # hand out the small files gathered so far first
                     self._batch = _Job()
                     return batch
-                job = self._next_range(lf)
+                job = self._next_range(lf, proc)
                 if job is not None:
                     return job
                 continue
@@ -442,14 +443,15 @@ class Copier:
             return batch
         return None
 
-    def _next_range(self, lf: LargeFile) -> _Job | None:
-        """The next range of ``lf`` to copy (ranges intact from an interrupted run count as copied); None once
-        every range is handed out."""
+    def _next_range(self, lf: LargeFile, proc: Any) -> _Job | None:
+        """The next range of ``lf`` for ``proc`` to copy (ranges intact from an interrupted run count as copied);
+        None once every range is handed out."""
         ranges = self._handing[lf]
         for offset, length in ranges:
-            lf.handed_out = offset + length
             if not lf.resumed(offset, length):
-                return _Job(large=lf, offset=offset, length=length)
+                chain = lf.hand_out(proc, offset, length, in_order=self._threads is None)
+                return _Job(large=lf, offset=offset, length=length, chain=chain)
+            lf.handed_out = offset + length
             self.bytes_resumed += length
             self.progress.add_bytes(length)
             if lf.hash_ready():
@@ -472,18 +474,18 @@ class Copier:
         if err is not None:
             self._fail(err)
 
-    def _complete_range(self, job: _Job, result: tuple[str | None, BaseException | None]) -> None:
-        digest, err = result
+    def _complete_range(self, job: _Job, result: tuple[tuple[str, str] | None, BaseException | None]) -> None:
+        digests, err = result
         lf = job.large
         assert lf is not None
         if err is not None:
             self._fail(err)
             return
-        if digest is None:
+        if digests is None:
             return  # not copied: the run was stopped
         if self._error is not None or lf.fd < 0:
             return  # the run failed meanwhile: the range stays journaled for a resume, nothing more
-        lf.range_copied(job.offset, job.length, digest)
+        lf.range_copied(job.offset, job.length, *digests)
         self.progress.add_bytes(job.length)
         self.bytes_copied += job.length
         if lf.hash_ready():

@@ -1,7 +1,8 @@
 """Copying one small file or one range of a large file: what a copy worker (a process or a thread) runs.
 
-Nothing here holds state between calls but a reusable buffer, so the same functions run in the stager's
-process, in its threads (remote sources) and in worker processes (:mod:`.workerpool`).
+Nothing here holds state between calls but a reusable buffer and the running digests of large files copied in
+order, so the same functions run in the stager's process, in its threads (remote sources) and in worker
+processes (:mod:`.workerpool`).
 
 A small local file is read through a reused buffer, hashed from it and written (``readv``/``write``),
 or, from :data:`SENDFILE_MIN` bytes, copied by the kernel (``sendfile``) and hashed from a read-only
@@ -97,6 +98,7 @@ class Worker:
         self._local = threading.local()  #: each thread's reused buffer
         self._names = 0
         self._lock = threading.Lock()
+        self._chains: dict[str, tuple[xxhash.xxh3_128, int]] = {}  #: temp file -> its running digest, bytes in it
 
     def buffer(self) -> memoryview:
         buf: bytearray | None = getattr(self._local, "buf", None)
@@ -324,11 +326,20 @@ class Worker:
         if self.target.fsync and _SYNC_FILE_RANGE is not None:
             _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
-    def copy_range(self, f: SourceFile, path: str, tmp: str, offset: int, length: int) -> str:
-        """Copy ``length`` bytes at ``offset`` of a large file into its temp file; return the range's digest if the
-        bytes passed through memory here (a remote source), else ""."""
+    def copy_range(self, f: SourceFile, path: str, tmp: str, offset: int, length: int,
+                   chain: bool = False) -> tuple[str, str]:
+        """Copy ``length`` bytes at ``offset`` of a large file into its temp file; return the range's digest (for
+        the ``.ranges`` journal) and, with ``chain``, the whole file's digest when this was its last range.
+
+        ``chain`` says this worker copies the file's ranges in order (the stager decides, see
+        :class:`~.largefiles.LargeFile`): it then also feeds each range into the file's running digest, kept here
+        between calls, so the stager need not read the file again.  A local range is copied by the kernel
+        (``sendfile``) and hashed from a read-only mapping of the pages written.  (Reading each range through the
+        reused buffer, hashing and writing it, cost less in one process here, 0.70 CPU-s per GiB against 0.95,
+        but more with two workers copying at once: 6.5 CPU-s for 4 x 1 GiB against 5.0.)"""
         fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
+            running = self._chained(tmp, offset) if chain else None
             if self.read_range is not None:
                 data = memoryview(self.read_range(f.rel, offset, offset + length, f.etag))
                 if len(data) != length:
@@ -336,7 +347,9 @@ class Worker:
                                              f"bytes, not {length}; stage again once the source is stable")
                 pwrite_all(fd, data, offset)
                 self._start_writeback(fd, offset, length)
-                return dg.digest_bytes(data)
+                if running is not None:
+                    running.update(data)
+                return dg.digest_bytes(data), self._chain_end(tmp, running, offset + length, f.size)
 
             def attempt() -> int:
                 src, _ = stable.open_listed(path, f)
@@ -350,9 +363,32 @@ class Worker:
             if n != length:
                 raise SourceChangedError(f"{path} shrank while it was copied; stage again once it is stable")
             self._start_writeback(fd, offset, length)
-            return ""  # hashed by the stager with the whole file, from one mapping of the pages (see largefiles)
+            with mmap.mmap(fd, length, prot=mmap.PROT_READ, offset=offset) as m:  # mapped once for both digests
+                if running is not None:
+                    running.update(m)
+                digest = dg.digest_bytes(m)  # type: ignore[arg-type]
+            return digest, self._chain_end(tmp, running, offset + length, f.size)
         finally:
             os.close(fd)
+
+    def _chained(self, tmp: str, offset: int) -> xxhash.xxh3_128 | None:
+        """The running digest of ``tmp``'s file if this worker hashed every byte before ``offset``, else None."""
+        with self._lock:
+            if offset == 0:
+                self._chains[tmp] = (dg.new_hasher(), 0)
+            hasher, upto = self._chains.get(tmp, (None, -1))
+            return hasher if upto == offset else None
+
+    def _chain_end(self, tmp: str, hasher: xxhash.xxh3_128 | None, end: int, size: int) -> str:
+        """Keep ``hasher`` as ``tmp``'s running digest up to ``end``; the file's digest once that is its size."""
+        if hasher is None:
+            return ""
+        with self._lock:
+            if end == size:
+                self._chains.pop(tmp, None)
+                return dg.format_digest(hasher)
+            self._chains[tmp] = (hasher, end)
+        return ""
 
 
 def sendfile_range(src: int, out_fd: int, offset: int, length: int, path: str) -> int:

@@ -1,12 +1,15 @@
-"""A large file copied by ranges, by several workers at once, into one temp file; hashed in order behind them.
+"""A large file copied by ranges into one temp file, by the worker that opened it, and hashed in order.
 
-Workers copy ranges in any order (``sendfile``: no bytes pass through Python).  The file's xxh3-128 digest,
-the one the manifest records, is computed in the stager's process over the pages already written, in order,
-as the ranges before them finish: from a read-only mapping of the temp file, so no bytes are copied for it and
-nothing waits in memory for its turn.  The same mapping gives each range's own digest for the ``.ranges``
-journal, from which a killed copy resumes (mapping the pages costs more than hashing them: 0.24 s of system
-time per GiB here against 0.1 s to hash, so they are mapped once).  A remote range arrives in memory and is
-journaled with its digest at once.
+A large file's ranges go to one worker, in order (:meth:`.copier.Copier._next_job`): it reads each into its
+buffer, hashes it there, both for the range's digest (the ``.ranges`` journal, from which a killed copy
+resumes) and for the file's running digest, and writes it; with the last range it sends the file's xxh3-128
+digest, the one the manifest records.  No byte is read twice.
+
+When the ranges cannot all come from one worker in order (another worker helps with the last file, the stager
+copied the first ranges while the workers started, ranges of an interrupted run are reused, or a remote source's
+threads copy them in any order), the chain is *broken*: the stager then hashes the file itself, in order, over
+the pages already written, from a read-only mapping of the temp file, as the ranges before them finish; nothing
+waits in memory for its turn.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -30,6 +34,8 @@ from .sources import SourceFile
 
 log = logging.getLogger(__name__)
 
+_NOBODY, _BROKEN = object(), object()  #: no range handed out yet; ranges handed to several (see hand_out)
+
 
 class LargeFile:
     """One large file being copied: its temp file, its ``.ranges`` journal, the in-order hasher."""
@@ -41,11 +47,13 @@ class LargeFile:
         pid = partial_id(f.rel)
         self.tmp = incoming.partial / f"{pid}.big"
         self.ranges_path = incoming.partial / f"{pid}.ranges"
-        self.hasher: xxhash.xxh3_128 = dg.new_hasher()
-        self.next_offset = 0  #: bytes hashed so far, in order
+        self.hasher: xxhash.xxh3_128 = dg.new_hasher()  #: the stager's in-order digest, once the chain is broken
+        self.hashed = 0  #: bytes the stager hashed, in order
+        self.next_offset = 0  #: the end of the ranges finished so far, in order
         self.handed_out = 0  #: the end of the last range handed to a worker (or found intact)
-        self.finished_ranges: dict[int, int] = {}  #: offset -> length, copied but not hashed in order yet
-        self.unjournaled: set[int] = set()  #: offsets of finished ranges to journal once hashed
+        self.finished_ranges: dict[int, int] = {}  #: offset -> length, finished but not yet counted in order
+        self.chain: Any = _NOBODY  #: who hashes the whole file in order: the worker its first range went to
+        self.chain_digest = ""  #: the file's digest, sent by that worker with the last range
         self.fd = self.src_fd = self.ranges_fd = -1
         self.identity: stable.Identity | None = None  #: a local source's identity when it was opened
         self.finished = False
@@ -96,31 +104,55 @@ class LargeFile:
             return False
         if hash_written(self.fd, offset, length)[1] != want:
             return False
+        self.break_chain()  # its bytes passed through no worker this run
         self.finished_ranges[offset] = length
         return True
 
-    def range_copied(self, offset: int, length: int, digest: str) -> None:
-        """A worker copied a range: queue it for the in-order hash; journal it (for a resume) now if its digest is
-        known, else once it is hashed."""
-        if digest:
-            os.write(self.ranges_fd, f"{offset} {length} {digest}\n".encode())
-        else:
-            self.unjournaled.add(offset)
+    def hand_out(self, executor: Any, offset: int, length: int, *, in_order: bool) -> bool:
+        """Note that ``executor`` (a worker process, or None: this process or its threads) copies this range;
+        True if it should also carry the file's running digest.  Only the executor of the first range can, and only
+        while it gets every range in order (``in_order``: it runs its jobs one after the other)."""
+        self.handed_out = offset + length
+        if self.chain is _NOBODY and offset == 0 and in_order:
+            self.chain = executor
+        if self.chain is not _BROKEN and self.chain is not _NOBODY and self.chain is executor:
+            return True
+        self.break_chain()
+        return False
+
+    def break_chain(self) -> None:
+        """From now on the stager hashes the file itself (from the start, over the pages already written)."""
+        self.chain = _BROKEN
+
+    @property
+    def chained(self) -> bool:
+        return self.chain is not _BROKEN and self.chain is not _NOBODY
+
+    def range_copied(self, offset: int, length: int, digest: str, file_digest: str = "") -> None:
+        """A range was copied: journal it (for a resume) and queue it for the in-order count; ``file_digest``
+        comes with the last range of a chain."""
+        os.write(self.ranges_fd, f"{offset} {length} {digest}\n".encode())
         self.finished_ranges[offset] = length
+        if file_digest:
+            self.chain_digest = file_digest
 
     def hash_ready(self) -> bool:
-        """Hash every range now next in order; True once the whole file is hashed."""
+        """Count the ranges now finished in order (and hash them, unless a worker does); True once the whole file
+        is copied and its digest known."""
         while self.next_offset in self.finished_ranges:
-            length = self.finished_ranges.pop(self.next_offset)
-            if length:
-                with mmap.mmap(self.fd, length, prot=mmap.PROT_READ, offset=self.next_offset) as m:
+            self.next_offset += self.finished_ranges.pop(self.next_offset)
+        if not self.chained:
+            while self.hashed < self.next_offset:  # from the start when the chain just broke
+                length = min(self.range_size, self.next_offset - self.hashed)
+                with mmap.mmap(self.fd, length, prot=mmap.PROT_READ, offset=self.hashed) as m:
                     self.hasher.update(m)
-                    if self.next_offset in self.unjournaled:
-                        self.unjournaled.discard(self.next_offset)
-                        digest = dg.digest_bytes(m)  # type: ignore[arg-type]
-                        os.write(self.ranges_fd, f"{self.next_offset} {length} {digest}\n".encode())
-            self.next_offset += length
-        return self.next_offset == self.file.size
+                self.hashed += length
+        if self.next_offset != self.file.size:
+            return False
+        if self.chained and not self.chain_digest:  # cannot happen (the last range brings it); hash here
+            self.break_chain()
+            return self.hash_ready()
+        return True
 
     def check_source(self) -> None:
         """Refuse the copy if a local source changed since it was opened (a write moves its ctime)."""
@@ -143,7 +175,7 @@ class LargeFile:
             os.fsync(self.fd)
         self.finished = True
         self.close()
-        return dg.format_digest(self.hasher)
+        return self.chain_digest if self.chained else dg.format_digest(self.hasher)
 
     def close(self) -> None:
         for name in ("fd", "src_fd", "ranges_fd"):

@@ -326,3 +326,82 @@ def test_a_large_files_ranges_start_their_writeback_when_fsync_is_on(
     size = (3 << 20) + 777
     expected = [(o, min(1 << 20, size - o)) for o in range(0, size, 1 << 20)]
     assert sorted(seen) == (expected if fsync else [])
+
+
+def test_a_large_file_copied_in_order_by_one_worker_is_hashed_there_not_read_again(tmp_path: Path) -> None:
+    """The worker that gets every range of a file in order sends its digest with the last one, and the stager
+    never maps the file; a file whose ranges were shared (the last one, helped with) is hashed by the stager.
+    Each "process" here is its own Worker, as a worker process has its own running digests."""
+    from stagingloader.staging.copyops import Worker
+
+    kib = 64 << 10
+    sizes = {"a.bin": 4 * kib + 1, "b.bin": 4 * kib, "c.bin": 6 * kib + 7}
+    src = make_tree(tmp_path / "src", sizes)
+    copier, incoming, listing = _copier(src, tmp_path, range_size=kib, large_threshold=kib - 1)
+    copier._feed = Feed(listing, Wakeup())
+    procs = {name: Worker(copier._target, threading.Event()) for name in ("first", "second")}
+    chained: dict[tuple[str, int], bool] = {}
+    while True:
+        jobs = [(name, copier._next_job(proc)) for name, proc in procs.items()]
+        if all(job is None for _, job in jobs):
+            break
+        for name, job in jobs:  # each worker runs its job; the stager takes the results in any order
+            if job is not None:
+                assert job.large is not None
+                chained[(job.large.file.rel, job.offset)] = job.chain
+                copier._complete_range(job, (procs[name].copy_range(*job.payload()[1]), None))
+    incoming.close()
+    assert all(chained[("a.bin", o)] for o in range(0, sizes["a.bin"], kib))
+    assert all(chained[("b.bin", o)] for o in range(0, sizes["b.bin"], kib))
+    assert not all(chained[("c.bin", o)] for o in range(0, sizes["c.bin"], kib)), "two workers shared c.bin"
+    hashed_by_stager = {lf.file.rel: lf.hashed for lf in copier._large}
+    assert hashed_by_stager == {"a.bin": 0, "b.bin": 0, "c.bin": sizes["c.bin"]}
+    assert {e.path: e.digest for e in incoming.entries} == tree_digests(src)
+    assert tree_digests(incoming.data) == tree_digests(src)
+
+
+def test_a_retried_range_feeds_the_running_digest_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read error in the middle of a range retries the range from its start: the file's running digest takes
+    each byte once, and a gap in the chain gives no digest, never a wrong one."""
+    import errno
+
+    from stagingloader import digest as dg
+    from stagingloader.staging import copyops
+    from stagingloader.staging.retry import RetryPolicy
+
+    mib = 1 << 20
+    size = 5 * mib + 123
+    src = make_tree(tmp_path / "src", {"big.bin": size})
+    listed = next(iter(Source(str(src)).listing()))
+    incoming = Incoming(tmp_path / "incoming")
+    incoming.open()
+    tmp = str(incoming.partial / "big.tmp")
+    with open(tmp, "wb") as f:
+        f.truncate(size)
+    target = copyops.Target(incoming=str(incoming.path), source_url=str(src), fsync=False,
+                            retry=RetryPolicy(first_delay=0.0, max_delay=0.0))
+    worker = copyops.Worker(target, threading.Event())
+    real, calls = copyops.sendfile_range, [0]
+
+    def flaky(src_fd: int, out_fd: int, offset: int, length: int, path: str) -> int:
+        calls[0] += 1
+        if calls[0] == 1:  # the first range: half of it written, then a transient error
+            real(src_fd, out_fd, offset, length // 2, path)
+            raise OSError(errno.EIO, "transient")
+        return real(src_fd, out_fd, offset, length, path)
+
+    monkeypatch.setattr(copyops, "sendfile_range", flaky)
+    monkeypatch.setattr(copyops, "is_transient_os_error", lambda e: True)
+    step = 2 * mib
+    digests = [worker.copy_range(listed, str(src / "big.bin"), tmp, o, min(step, size - o), True)
+               for o in range(0, size, step)]
+    assert calls[0] == 4, "the first range was tried twice"
+    whole = tree_digests(src)["big.bin"]
+    assert [d[1] for d in digests] == ["", "", whole]
+    data = (src / "big.bin").read_bytes()
+    assert [d[0] for d in digests] == [dg.digest_bytes(data[o:o + step]) for o in range(0, size, step)]
+    # a chain with a gap (the middle range copied elsewhere) sends no file digest
+    gap = [worker.copy_range(listed, str(src / "big.bin"), tmp, o, min(step, size - o), o != step)
+           for o in range(0, size, step)]
+    assert [d[1] for d in gap] == ["", "", ""]
+    incoming.close()
