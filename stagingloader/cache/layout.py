@@ -31,6 +31,7 @@ import xxhash
 from ..errors import CacheError, ManifestError, UnsafePathError
 from ..fsio import atomic_write
 from . import trust
+from .columns import StrColumn
 from .manifest import Manifest
 
 _VERSION_RE = re.compile(r"^v(\d+)$")
@@ -162,10 +163,11 @@ class DatasetDir:
         os.symlink(version, tmp)
         os.replace(tmp, self.path / "current")
 
-    def load_manifest(self, version: str) -> Manifest:
+    def load_manifest(self, version: str, *, like: StrColumn | None = None) -> Manifest:
+        """``version``'s manifest; ``like``: the paths just listed, shared when the manifest has the same."""
         path = self.path / version / "manifest.json"
         trust.check_file(path, what="manifest")
-        return Manifest.load(path)
+        return Manifest.load(path, like=like)
 
     def read_info(self) -> dict[str, Any]:
         try:

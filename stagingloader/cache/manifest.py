@@ -231,7 +231,16 @@ class Manifest:
         atomic_write_parts(path, self._v2_parts(), fsync=fsync)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Manifest:
+    def load(cls, path: str | os.PathLike[str], *, like: StrColumn | None = None) -> Manifest:
+        """The manifest at ``path``.  With ``like`` (a listing's paths), a version 2 manifest whose paths are the
+        same, byte for byte and in the same order (a re-stage of an unchanged tree), shares that column instead
+        of holding a copy: it is read a piece at a time, compared, hashed, never held; its empty etags take no
+        memory either.  36 of its 76 bytes a file: 360 MB less for 10 million files."""
+        if like is not None:
+            try:
+                return _load_v2_like(path, like)
+            except _NotLike:
+                pass  # read whole, as any manifest: the errors are said there
         try:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
@@ -366,6 +375,106 @@ def _parse_v2(header: dict[str, Any], raw: bytes | bytearray, start: int, where:
     if isinstance(header.get("dataset_digest"), str) and dg.is_digest(header["dataset_digest"]):
         m._dataset_digest = header["dataset_digest"]
     return m
+
+
+class _NotLike(Exception):
+    """The manifest cannot share the listing's paths (another version, other paths, anything unusual)."""
+
+
+def _load_v2_like(path: str | os.PathLike[str], like: StrColumn) -> Manifest:
+    """See :meth:`Manifest.load`: the file read once, in order, in 4 MiB pieces, its body digest checked."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            return _read_v2_like(f, str(path), like)
+    except OSError:
+        raise _NotLike() from None
+
+
+def _read_v2_like(f: Any, where: str, like: StrColumn) -> Manifest:
+    head = f.read(1 << 20)
+    nl = head.find(b"\n")
+    try:
+        header = json.loads(head[:nl]) if nl > 0 else None
+    except (ValueError, UnicodeDecodeError):
+        header = None
+    n = header.get("files") if isinstance(header, dict) else None
+    if not isinstance(header, dict) or header.get("version") != 2 or n != len(like):
+        raise _NotLike()
+    _check_header(header, where)
+    layout = header.get("columns")
+    if not isinstance(layout, dict) or any(not (isinstance(layout.get(c), list) and len(layout[c]) == 2
+                                                and all(isinstance(v, int) and v >= 0 for v in layout[c]))
+                                           for c in _V2_COLUMNS):
+        raise _NotLike()
+    size, mtime, digest = np.empty(n, dtype="<i8"), np.empty(n, dtype="<i8"), np.empty((n, 16), dtype=np.uint8)
+    into = {"size": size.data.cast("B"), "mtime_ns": mtime.data.cast("B"), "digest": digest.data.cast("B")}
+    same = {"path_offsets": np.ascontiguousarray(like.offsets, dtype="<i8").data.cast("B"),
+            "path_blob": memoryview(like.blob).cast("B")}
+    zeros = set()
+    etag_bytes = layout["etag_blob"][1]
+    if etag_bytes:  # an object store's etags: read as they are
+        etag_off, etag_blob = np.empty(n + 1, dtype="<i8"), bytearray(etag_bytes)
+        into |= {"etag_offsets": etag_off.data.cast("B"), "etag_blob": memoryview(etag_blob)}
+    else:
+        zeros.add("etag_offsets")  # a local source's etags: all empty, held as no memory per row
+    want = {"path_offsets": 8 * (n + 1), "path_blob": len(like.blob), "size": 8 * n, "mtime_ns": 8 * n,
+            "etag_offsets": 8 * (n + 1), "etag_blob": etag_bytes, "digest": 16 * n}
+    if any(layout[c][1] != want[c] for c in _V2_COLUMNS):
+        raise _NotLike()
+    f.seek(nl + 1)
+    hasher = dg.new_hasher()
+    scratch = memoryview(bytearray(4 << 20))
+    pos = 0
+    for name in sorted(_V2_COLUMNS, key=lambda c: layout[c][0]):
+        at, length = layout[name]
+        if at < pos or at - pos >= _ALIGN:
+            raise _NotLike()
+        _read_hashed(f, scratch[:at - pos], hasher)  # padding
+        done = 0
+        while done < length:
+            k = min(len(scratch), length - done)
+            if name in into:
+                _read_hashed(f, into[name][done:done + k], hasher)
+            else:
+                got = _read_hashed(f, scratch[:k], hasher)
+                if name in zeros:
+                    if np.frombuffer(got, dtype=np.uint8).any():
+                        raise _NotLike()
+                elif got != same[name][done:done + k]:
+                    raise _NotLike()
+            done += k
+        pos = at + length
+    tail = header.get("body_bytes")
+    if not isinstance(tail, int) or not 0 <= tail - pos < _ALIGN:
+        raise _NotLike()
+    _read_hashed(f, scratch[:tail - pos], hasher)
+    if f.read(1) or header.get("body_digest") != dg.format_digest(hasher):
+        raise _NotLike()
+    if etag_bytes:
+        etag_off = etag_off.astype(np.int64, copy=False)
+        if etag_off[0] != 0 or etag_off[-1] != etag_bytes or bool((np.diff(etag_off) < 0).any()):
+            raise _NotLike()
+        etags = StrColumn(etag_blob, etag_off)
+    else:
+        etags = StrColumn.empty(n)
+    m = Manifest(header.get("source", ""), like, size.astype(np.int64, copy=False),
+                 mtime.astype(np.int64, copy=False), etags, DigestColumn(digest),
+                 header.get("created", 0.0), sorted_by_bytes=header.get("order") == "bytes")
+    if isinstance(header.get("dataset_digest"), str) and dg.is_digest(header["dataset_digest"]):
+        m._dataset_digest = header["dataset_digest"]
+    return m
+
+
+def _read_hashed(f: Any, view: memoryview, hasher: Any) -> memoryview:
+    """Fill ``view`` from ``f`` (all of it, or _NotLike) and hash it."""
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done:])
+        if not got:
+            raise _NotLike()
+        done += got
+    hasher.update(view)
+    return view
 
 
 def _check_header(doc: Any, where: str) -> None:

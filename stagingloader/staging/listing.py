@@ -197,6 +197,16 @@ class ListingBuilder:
             i = self.devs[dev] = len(self.devs)
         return i
 
+    def take_chunk(self) -> Listing:
+        """The files added so far, as a listing of their own (copied), and this builder emptied in place (the
+        same buffers go on growing: a walk holds on to them)."""
+        paths = StrColumn(bytes(self.paths.blob), np.array(self.paths.ends, dtype=np.int64))
+        dev = (np.array(list(self.devs), dtype=np.int64), np.array(self.dev, dtype=np.uint16))
+        chunk = Listing(paths, np.array(self.size, dtype=np.int64), np.array(self.mtime, dtype=np.int64), None, dev,
+                        np.array(self.ino, dtype=np.int64))
+        del self.paths.blob[:], self.paths.ends[1:], self.size[:], self.mtime[:], self.dev[:], self.ino[:]
+        return chunk
+
     def listing(self) -> Listing:
         index = np.frombuffer(self.dev, dtype=np.uint16) if len(self.dev) else np.zeros(0, dtype=np.uint16)
         table = np.array(list(self.devs), dtype=np.int64)
@@ -396,10 +406,15 @@ def _refuse_backslash(rel: bytes) -> None:
                           "has NUL/\\")
 
 
-def scan_staged(top: str | os.PathLike[str], only: Collection[bytes] | None = None) -> Listing:
+def scan_staged(top: str | os.PathLike[str], only: Collection[bytes] | None = None, *,
+                on_chunk: Callable[[Listing], None] | None = None, chunk_rows: int = 1 << 16) -> Listing:
     """A staged tree (ours, in the cache) in sorted columns, never through a link (folders are opened with
     ``O_NOFOLLOW`` under their parent's descriptor): a link or anything but a regular file or folder is listed
-    with size -1, so that it matches no manifest entry's fingerprint."""
+    with size -1, so that it matches no manifest entry's fingerprint.
+
+    With ``on_chunk``, the columns are handed to it every ``chunk_rows`` files (each chunk sorted, and after the
+    one before it) and not kept: a tree of millions of files is compared as it is walked, in little memory; the
+    listing returned then holds only what no chunk took (nothing)."""
     out = ListingBuilder()
     try:
         fd = os.open(top, _DIR_FLAGS | os.O_NOFOLLOW)
@@ -408,15 +423,20 @@ def scan_staged(top: str | os.PathLike[str], only: Collection[bytes] | None = No
     stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], bytes, int]] = []
     try:
         stack.append((iter(_sorted_entries(fd, only, follow=False)), b"", fd))
-        _walk_staged(stack, out)
+        _walk_staged(stack, out, None if on_chunk is None else (on_chunk, chunk_rows))
     finally:
         for frame in stack:
             os.close(frame[2])
+    if on_chunk is not None:
+        if len(out.size):
+            on_chunk(out.take_chunk())
+        return ListingBuilder().listing()
     return out.listing()
 
 
 def _walk_staged(stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], bytes, int]],
-                 out: ListingBuilder) -> None:
+                 out: ListingBuilder, chunks: tuple[Callable[[Listing], None], int] | None) -> None:
+    on_chunk, limit = chunks if chunks is not None else (None, 0)
     blob, ends = out.paths.blob, out.paths.ends
     add_end, add_size, add_mtime, add_dev, add_ino = (ends.append, out.size.append, out.mtime.append,
                                                        out.dev.append, out.ino.append)
@@ -431,6 +451,8 @@ def _walk_staged(stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], byt
                     stack[-1] = (itertools.chain(item, entries), rel_prefix, fd)
                     break
                 _add_run(out, rel_prefix, item, sts, keep_special=True)
+                if on_chunk is not None and len(ends) > limit:
+                    on_chunk(out.take_chunk())
                 continue
             name, entry = item
             if entry.is_dir(follow_symlinks=False):
@@ -460,5 +482,7 @@ def _walk_staged(stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], byt
                 add_mtime(-1)
             add_dev(devs[st.st_dev] if st.st_dev in devs else dev_of(st.st_dev))
             add_ino(st.st_ino)
+            if on_chunk is not None and len(ends) > limit:
+                on_chunk(out.take_chunk())
         else:
             os.close(stack.pop()[2])

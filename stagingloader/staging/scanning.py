@@ -15,9 +15,12 @@ import multiprocessing
 import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from typing import Any, TypeVar
 
 from .listing import Listing, ListingBuilder, scan_local, scan_staged
 from .retry import as_source_error
+
+T = TypeVar("T")
 
 MIN_ENTRIES = 16  #: top-level entries (usually folders) below which a tree is scanned in one process
 MAX_WORKERS = 8
@@ -53,21 +56,33 @@ def _runs(names: list[bytes], workers: int) -> list[frozenset[bytes]]:
 
 
 def _in_parallel(top: str, workers: int, scan: Callable[[frozenset[bytes] | None], Listing]) -> Listing:
+    return Listing.concat(in_parts(top, workers, scan))
+
+
+def in_parts(top: str, workers: int, scan: Callable[[frozenset[bytes] | None], T], *,
+             here: Callable[[frozenset[bytes] | None], T] | None = None,
+             initializer: Callable[..., None] | None = None, initargs: tuple[Any, ...] = ()) -> list[T]:
+    """``scan(run)`` for contiguous runs of ``top``'s entries, in up to ``workers - 1`` forked processes, and
+    ``here(run)`` (default ``scan``) for the first run in this process, in the listing's order; ``here(None)``
+    alone (the whole tree) for a small tree, one worker, or a folder that cannot be listed.
+    ``initializer(*initargs)`` runs first in each forked process: its arguments are inherited with the fork,
+    never pickled (a manifest of millions of files), where ``scan`` and its arguments are."""
+    here = here or scan
     try:
         names = sorted(os.listdir(os.fsencode(top)))
     except OSError:
-        return scan(None)  # the serial scan says what is wrong, as it always did
+        return [here(None)]  # the serial scan says what is wrong, as it always did
     if workers < 2 or len(names) < MIN_ENTRIES:
-        return scan(None)
+        return [here(None)]
     runs = _runs(names, workers)
     if len(runs) < 2:
-        return scan(None)
+        return [here(None)]
     ctx = multiprocessing.get_context("fork")  # the child runs only the scan: no threads, locks or imports
-    with ProcessPoolExecutor(len(runs) - 1, mp_context=ctx) as pool:
+    with ProcessPoolExecutor(len(runs) - 1, mp_context=ctx, initializer=initializer, initargs=initargs) as pool:
         futures = [pool.submit(scan, run) for run in runs[1:]]
-        parts = [scan(runs[0])]
+        parts = [here(runs[0])]
         parts += [f.result() for f in futures]  # a worker's error is raised here, in the caller
-    return Listing.concat(parts)
+    return parts
 
 
 def _list_part(top: str, skip_top: bytes, only: frozenset[bytes] | None) -> Listing:

@@ -308,7 +308,7 @@ def plan_locked(run: StageRun, identity: str) -> LockedPlan:
     ddir = run.ddir
     ddir.sweep_deleting()
     _record_dataset(run, identity)
-    base_version, base = _load_base(ddir, run.say)
+    base_version, base = _load_base(ddir, run.say, like=run.listing.path)
     source_manifest = _expected_digests(run.source)
     base_bad = _check_base(run, base_version, base, source_manifest)
     incoming = Incoming(ddir.incoming, fsync=run.fsync)
@@ -360,7 +360,8 @@ def finish(run: StageRun, lp: LockedPlan, version: str, manifest: Manifest, *, h
 def _dry_run(run: StageRun) -> StagePlan:
     """What a stage would do, found without writing anything: no folder, no lock, no lease, no switch."""
     ddir = run.ddir
-    base_version, base = _load_base(ddir, run.say, publish=False) if ddir.path.is_dir() else (None, None)
+    base_version, base = (_load_base(ddir, run.say, publish=False, like=run.listing.path) if ddir.path.is_dir()
+                          else (None, None))
     base_bad = _check_base(run, base_version, base, _expected_digests(run.source))
     incoming = Incoming(ddir.incoming, fsync=False)
     done, stray = incoming.load(run.listing.by_path()) if ddir.incoming.is_dir() else ({}, 0)
@@ -439,9 +440,10 @@ def _report(run: StageRun, plan: CopyPlan, manifest: Manifest, version: str, cop
     )
 
 
-def _load_base(ddir: DatasetDir, say: Callable[[str], None], *,
-               publish: bool = True) -> tuple[str | None, Manifest | None]:
-    """The published version and its manifest; a version whose switch was interrupted is published now."""
+def _load_base(ddir: DatasetDir, say: Callable[[str], None], *, publish: bool = True,
+               like: StrColumn | None = None) -> tuple[str | None, Manifest | None]:
+    """The published version and its manifest (sharing the listing's paths ``like`` when they are the same);
+    a version whose switch was interrupted is published now."""
     version = ddir.current()
     if version is None:
         version = ddir.newest_complete()  # published but the switch was interrupted
@@ -450,7 +452,7 @@ def _load_base(ddir: DatasetDir, say: Callable[[str], None], *,
         if publish:
             ddir.publish(version)
     try:
-        return version, ddir.load_manifest(version)
+        return version, ddir.load_manifest(version, like=like)
     except ManifestError as e:
         say(f"ignoring the staged version {version}: {e}")
         return None, None

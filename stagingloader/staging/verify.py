@@ -7,44 +7,113 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .. import digest as dg
-from ..cache.columns import join
+from ..cache.columns import StrColumn, join
 from ..cache.layout import DatasetDir, find_dataset_dir
 from ..cache.manifest import Manifest
 from ..errors import ManifestError
 from .copyplan import CORRUPT, MISSING
-from .listing import Listing
+from .listing import Listing, scan_staged
 from .result import StagedDataset, VerifyReport
-from .scanning import scan_staged_tree
+from .scanning import default_workers, in_parts
 
 
 def check_fast(data: Path, manifest: Manifest, found: Listing | None = None) -> dict[str, str]:
     """Staged files whose size or mtime differ from the manifest (no hashing): rel -> reason.
 
-    One sorted scan of the staged tree (``os.scandir``, never through a link; ``found``: that scan, made
-    already) compared with the manifest's columns: row to row when the same paths are there, which is the
-    common case, else joined by path."""
+    One sorted scan of the staged tree (``os.scandir``, never through a link) compared with the manifest's
+    columns as it is walked, a chunk of files at a time, so that its columns are never all held (a re-stage of
+    10 million files would hold about 650 MB more); ``found``: a whole scan made already (the early scan of a
+    smaller tree), compared at once."""
     if found is None:
-        found = scan_staged_tree(data)
-    if found.path.same_as(manifest.path):  # every file there, nothing else: whole columns compared
-        mtime = manifest.mtime_ns
-        wrong = (found.size != manifest.size) | ((mtime != 0) & (found.mtime_ns != mtime))
-        return {manifest.path[i]: CORRUPT for i in np.flatnonzero(wrong).tolist()}
-    rows = join(manifest.path, found.path)
-    present = rows >= 0
-    r = rows[present]
-    size, mtime = manifest.size[present], manifest.mtime_ns[present]
-    wrong = (found.size[r] != size) | ((mtime != 0) & (found.mtime_ns[r] != mtime))
-    bad: dict[str, str] = {}
-    for i in np.flatnonzero(~present).tolist():
-        bad[manifest.path[i]] = MISSING
-    for i in np.flatnonzero(present)[wrong].tolist():
-        bad[manifest.path[i]] = CORRUPT
-    return bad
+        return check_staged_tree(data, manifest)
+    merge = ManifestMerge(manifest)
+    merge.add(found)
+    return merge.result()
+
+
+class ManifestMerge:
+    """The fast check fed sorted chunks of a staged tree's scan, in order (or several such streams whose files
+    do not overlap: the parts of a parallel scan): each chunk is compared with the manifest's rows in its range
+    of paths, row to row when the same paths are there (the usual case), else joined by path.  A manifest row
+    no chunk matched is missing; a staged file the manifest does not have is not this check's business."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self.matched = np.zeros(len(manifest), dtype=bool)
+        self.bad: dict[str, str] = {}
+
+    def add(self, chunk: Listing) -> None:
+        n = len(chunk)
+        if not n:
+            return
+        m = self.manifest
+        lo = _bisect(m.path, chunk.path.raw(0), right=False)
+        hi = _bisect(m.path, chunk.path.raw(n - 1), right=True)
+        if hi <= lo:
+            return
+        offsets = m.path.offsets[lo:hi + 1]
+        rows = join(StrColumn(memoryview(m.path.blob)[int(offsets[0]):int(offsets[-1])], offsets - offsets[0]),
+                    chunk.path)
+        present = np.flatnonzero(rows >= 0)
+        r = rows[present]
+        size, mtime = m.size[lo + present], m.mtime_ns[lo + present]
+        wrong = (chunk.size[r] != size) | ((mtime != 0) & (chunk.mtime_ns[r] != mtime))
+        self.matched[lo + present] = True
+        for i in (lo + present[wrong]).tolist():
+            self.bad[m.path[i]] = CORRUPT
+
+    def result(self) -> dict[str, str]:
+        """rel -> reason, the missing rows included (in the manifest's order, then the wrong ones)."""
+        missing = {self.manifest.path[i]: MISSING for i in np.flatnonzero(~self.matched).tolist()}
+        return missing | self.bad
+
+
+def check_staged_tree(data: str | os.PathLike[str], manifest: Manifest, workers: int | None = None) -> dict[str, str]:
+    """:func:`check_fast` of a whole tree, walked by up to ``workers`` processes (see :mod:`.scanning`), each
+    comparing its part as it walks and sending back only what it found wrong and which rows it matched."""
+    top = os.fspath(data)
+    parts = in_parts(top, default_workers() if workers is None else workers, partial(_check_part, top, None),
+                     here=partial(_check_part, top, manifest), initializer=_part_manifest, initargs=(manifest,))
+    merge = ManifestMerge(manifest)
+    for matched, bad in parts:
+        merge.matched |= np.unpackbits(matched, count=len(manifest)).astype(bool)
+        merge.bad.update(bad)
+    return merge.result()
+
+
+CHUNK_ROWS = 1 << 16  #: staged files scanned before they are compared and dropped (about 4 MB of columns)
+_MANIFEST: Manifest | None = None  #: in a forked scan process: the manifest its part is compared with
+
+
+def _part_manifest(manifest: Manifest) -> None:
+    global _MANIFEST
+    _MANIFEST = manifest
+
+
+def _check_part(top: str, manifest: Manifest | None, only: frozenset[bytes] | None) -> tuple[Any, dict[str, str]]:
+    merge = ManifestMerge(manifest if manifest is not None else _MANIFEST)  # type: ignore[arg-type]
+    scan_staged(top, only, on_chunk=merge.add, chunk_rows=CHUNK_ROWS)
+    return np.packbits(merge.matched), merge.bad
+
+
+def _bisect(column: StrColumn, key: bytes, *, right: bool) -> int:
+    """The first row of a column sorted by bytes that is >= ``key`` (``right``: > ``key``)."""
+    lo, hi = 0, len(column)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        r = column.raw(mid)
+        if r < key or (right and r == key):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def check_full(data: Path, manifest: Manifest, workers: int = 4,

@@ -96,3 +96,49 @@ def test_a_damaged_version_2_manifest_is_refused(tmp_path: Path, damage: str) ->
     (tmp_path / "m.json").write_bytes(bytes(raw))
     with pytest.raises(ManifestError, match=r"truncated or corrupt|incomplete"):
         Manifest.load(tmp_path / "m.json")
+
+
+def _local(n: int, salt: int = 0) -> Manifest:
+    """A local source's manifest: no etags."""
+    return Manifest.from_entries("/data/src", [Entry(f"d{i % 7}/f{i:06d}.bin", i + salt, i * 10, "",
+                                                     "xxh3_128:" + f"{i + salt:032x}") for i in range(n)])
+
+
+@pytest.mark.parametrize("etags", [False, True])
+def test_a_manifest_with_the_listings_paths_shares_them(tmp_path: Path, etags: bool) -> None:
+    """A re-stage of an unchanged tree: the manifest's paths are the listing's, held once; every other column
+    and the dataset digest are what a plain load gives, and empty etags take no memory."""
+    m = _m(5000) if etags else _local(5000)
+    m.save(tmp_path / "m.json")
+    listed = Manifest.from_entries("x", list(m)).path  # the same paths, another object (a listing's)
+    plain, shared = Manifest.load(tmp_path / "m.json"), Manifest.load(tmp_path / "m.json", like=listed)
+    assert shared.path is listed and plain.path is not listed
+    assert list(shared) == list(plain) == list(m) and shared.dataset_digest == plain.dataset_digest
+    if not etags:
+        assert shared.etag.offsets.strides == (0,), "one zero, seen n + 1 times"
+
+
+@pytest.mark.parametrize("other", ["a path differs", "a file more", "damaged", "version 1"])
+def test_a_manifest_unlike_the_listing_is_read_whole_and_still_checked(tmp_path: Path, other: str) -> None:
+    m = _local(3000)
+    if other == "version 1":
+        (tmp_path / "m.json").write_bytes(m.to_json())
+    else:
+        m.save(tmp_path / "m.json")
+    entries = list(m)
+    if other == "a path differs":
+        entries[1234] = Entry("d0/zzz.bin", 1, 1, "", entries[1234].digest)
+    elif other == "a file more":
+        entries.append(Entry("zzz/last.bin", 1, 1, "", entries[0].digest))
+    listed = Manifest.from_entries("x", entries).path
+    if other == "damaged":  # a byte of the size column: the body digest refuses it, with or without a listing
+        raw = bytearray((tmp_path / "m.json").read_bytes())
+        header = json.loads(raw[:raw.index(b"\n")])
+        raw[raw.index(b"\n") + 1 + header["columns"]["size"][0] + 8] ^= 0x01
+        (tmp_path / "m.json").write_bytes(bytes(raw))
+        with pytest.raises(ManifestError, match="truncated or corrupt"):
+            Manifest.load(tmp_path / "m.json", like=listed)
+        return
+    got = Manifest.load(tmp_path / "m.json", like=listed)
+    assert got.path is not listed
+    assert list(got) == list(m)

@@ -405,3 +405,56 @@ def test_a_retried_range_feeds_the_running_digest_once(tmp_path: Path, monkeypat
            for o in range(0, size, step)]
     assert [d[1] for d in gap] == ["", "", ""]
     incoming.close()
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("chunk", [1, 4, 1 << 16])
+def test_the_fast_check_compares_a_staged_tree_chunk_by_chunk_as_it_walks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int, chunk: int) -> None:
+    """Missing, truncated, replaced-by-a-link and extra files are found the same whatever the chunk size and
+    however many processes walk, and no chunk holds more than it must (the columns are dropped as it goes).
+    The answer is checked against a plain ``lstat`` of every manifest row."""
+    import stat as st_mod
+
+    from stagingloader.staging import verify
+
+    names = {f"d{i:02d}/f{j}.bin": 10 + i * 7 + j for i in range(20) for j in range(5)}
+    names |= {"a.b": 3, "a/x.bin": 4, "a-b/y": 5, "top.bin": 6}  # "a.b" sorts before "a/", after "a-b/"
+    src = make_tree(tmp_path / "src", names)
+    staged = sl.stage(str(src), str(tmp_path / "root"))
+    assert isinstance(staged, sl.StagedDataset)
+    data, manifest = staged.root, staged.manifest
+    for rel in ("d03/f1.bin", "a.b"):
+        (data / rel).unlink()
+    (data / "d07/f2.bin").chmod(0o644)
+    (data / "d07/f2.bin").write_bytes(b"x")
+    (data / "d11/f0.bin").unlink()
+    (data / "d11/f0.bin").symlink_to(data / "d11/f1.bin")
+    (data / "d19/extra.bin").write_bytes(b"not in the manifest")
+    expected: dict[str, str] = {}
+    for rel, size, mtime in zip(manifest.path, manifest.size.tolist(), manifest.mtime_ns.tolist()):
+        try:
+            st = os.lstat(data / rel)
+        except FileNotFoundError:
+            expected[rel] = "missing"
+            continue
+        if not st_mod.S_ISREG(st.st_mode) or st.st_size != size or (mtime and st.st_mtime_ns != mtime):
+            expected[rel] = "corrupt"
+    assert expected == {"d03/f1.bin": "missing", "a.b": "missing", "d07/f2.bin": "corrupt", "d11/f0.bin": "corrupt"}
+
+    sizes: list[int] = []
+    real_add = verify.ManifestMerge.add
+
+    def spy(self: verify.ManifestMerge, part: Any) -> None:
+        sizes.append(len(part))
+        real_add(self, part)
+
+    monkeypatch.setattr(verify, "CHUNK_ROWS", chunk)
+    monkeypatch.setattr(verify.ManifestMerge, "add", spy)
+    got = verify.check_staged_tree(data, manifest, workers=workers)
+    assert {rel: reason.split()[0] for rel, reason in got.items()} == expected
+    if workers == 1:  # the forked parts' chunks are not seen here
+        assert sum(sizes) == len(manifest) - 2 + 1  # every file once: two deleted, one extra
+        assert max(sizes) <= chunk - 1 + 6, "under CHUNK_ROWS files, then one folder's run (d19: six files)"
+        assert len(sizes) > 1 or chunk > len(manifest)
+    assert verify.check_fast(data, manifest) == got
