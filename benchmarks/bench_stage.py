@@ -624,6 +624,9 @@ def main(argv: list[str] | None = None) -> int:
     targets = {"shm": Path(a.shm_dir), "disk": Path(a.disk_dir)}
     runner = Runner(a)
     say = runner.say
+    if a.as_user:  # another user cannot write this checkout's __pycache__: a module changed since the last
+        # compile would be compiled again in every run (25 ms for the copy modules), which users never pay
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(B.REPO / "stagingloader")], check=True)
     data = Path(a.data)
     data.mkdir(parents=True, exist_ok=True)
     writer = build_writer(say)

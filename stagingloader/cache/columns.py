@@ -120,9 +120,10 @@ class StrColumn(Sequence[str]):
 
     def same_as(self, other: StrColumn) -> bool:
         """The same strings in the same order (a comparison of two buffers, no per-row work)."""
+        if self is other:
+            return True
         return (len(self) == len(other) and len(self.blob) == len(other.blob)
-                and bool(np.array_equal(self.offsets, other.offsets))
-                and bool(np.array_equal(_u8(self.blob), _u8(other.blob))))
+                and bool(np.array_equal(self.offsets, other.offsets)) and same_bytes(self.blob, other.blob))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, StrColumn):
@@ -171,6 +172,19 @@ class StrColumn(Sequence[str]):
 
     def __repr__(self) -> str:
         return f"StrColumn({len(self)} strings, {len(self.blob)} bytes)"
+
+
+def same_bytes(a: bytes | bytearray | memoryview, b: bytes | bytearray | memoryview) -> bool:
+    """``a == b`` by ``memcmp``, a few MiB at a time where one is a memoryview (whose ``==`` compares element by
+    element: 1 s for 280 MB here, against 0.03 s), without a temporary as large as the buffers (numpy's
+    ``array_equal`` makes one: 280 MB more at the peak of a 10-million-file re-stage)."""
+    if len(a) != len(b):
+        return False
+    if not isinstance(a, memoryview) and not isinstance(b, memoryview):
+        return a == b
+    ma, mb = memoryview(a).cast("B"), memoryview(b).cast("B")
+    step = 4 << 20
+    return all(ma[i:i + step].tobytes() == mb[i:i + step].tobytes() for i in range(0, len(ma), step))
 
 
 def _u8(blob: bytes | bytearray | memoryview) -> npt.NDArray[np.uint8]:

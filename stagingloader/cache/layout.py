@@ -31,8 +31,7 @@ import xxhash
 from ..errors import CacheError, ManifestError, UnsafePathError
 from ..fsio import atomic_write
 from . import trust
-from .columns import StrColumn
-from .manifest import Manifest
+from .manifest import LikeColumns, Manifest
 
 _VERSION_RE = re.compile(r"^v(\d+)$")
 
@@ -163,8 +162,8 @@ class DatasetDir:
         os.symlink(version, tmp)
         os.replace(tmp, self.path / "current")
 
-    def load_manifest(self, version: str, *, like: StrColumn | None = None) -> Manifest:
-        """``version``'s manifest; ``like``: the paths just listed, shared when the manifest has the same."""
+    def load_manifest(self, version: str, *, like: LikeColumns | None = None) -> Manifest:
+        """``version``'s manifest; ``like``: the listing just made, whose columns it shares where the same."""
         path = self.path / version / "manifest.json"
         trust.check_file(path, what="manifest")
         return Manifest.load(path, like=like)

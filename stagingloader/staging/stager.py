@@ -308,7 +308,7 @@ def plan_locked(run: StageRun, identity: str) -> LockedPlan:
     ddir = run.ddir
     ddir.sweep_deleting()
     _record_dataset(run, identity)
-    base_version, base = _load_base(ddir, run.say, like=run.listing.path)
+    base_version, base = _load_base(ddir, run.say, like=run.listing)
     source_manifest = _expected_digests(run.source)
     base_bad = _check_base(run, base_version, base, source_manifest)
     incoming = Incoming(ddir.incoming, fsync=run.fsync)
@@ -360,7 +360,7 @@ def finish(run: StageRun, lp: LockedPlan, version: str, manifest: Manifest, *, h
 def _dry_run(run: StageRun) -> StagePlan:
     """What a stage would do, found without writing anything: no folder, no lock, no lease, no switch."""
     ddir = run.ddir
-    base_version, base = (_load_base(ddir, run.say, publish=False, like=run.listing.path) if ddir.path.is_dir()
+    base_version, base = (_load_base(ddir, run.say, publish=False, like=run.listing) if ddir.path.is_dir()
                           else (None, None))
     base_bad = _check_base(run, base_version, base, _expected_digests(run.source))
     incoming = Incoming(ddir.incoming, fsync=False)
@@ -441,8 +441,8 @@ def _report(run: StageRun, plan: CopyPlan, manifest: Manifest, version: str, cop
 
 
 def _load_base(ddir: DatasetDir, say: Callable[[str], None], *, publish: bool = True,
-               like: StrColumn | None = None) -> tuple[str | None, Manifest | None]:
-    """The published version and its manifest (sharing the listing's paths ``like`` when they are the same);
+               like: Listing | None = None) -> tuple[str | None, Manifest | None]:
+    """The published version and its manifest (sharing the listing ``like``'s columns where they are the same);
     a version whose switch was interrupted is published now."""
     version = ddir.current()
     if version is None:

@@ -78,3 +78,14 @@ def test_digests_not_known_yet_read_as_empty_and_block_a_save(tmp_path) -> None:
     m.digest[0] = "xxh3_128:" + "2" * 32
     m.save(tmp_path / "m.json")
     assert Manifest.load(tmp_path / "m.json").digest == m.digest
+
+
+def test_same_bytes_compares_whole_buffers_of_any_kind_past_a_chunk() -> None:
+    from stagingloader.cache.columns import same_bytes
+
+    a = bytearray(range(256)) * (40_000)  # 10 MB: more than one 4 MiB piece
+    b = bytearray(a)
+    assert same_bytes(a, b) and same_bytes(memoryview(a), b) and same_bytes(memoryview(a), memoryview(bytes(b)))
+    b[-1] ^= 1
+    assert not same_bytes(memoryview(a), b) and not same_bytes(a, memoryview(b)) and not same_bytes(a, b)
+    assert not same_bytes(memoryview(a)[:-1], a)

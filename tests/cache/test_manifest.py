@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from stagingloader import digest as dg
@@ -106,16 +107,36 @@ def _local(n: int, salt: int = 0) -> Manifest:
 
 @pytest.mark.parametrize("etags", [False, True])
 def test_a_manifest_with_the_listings_paths_shares_them(tmp_path: Path, etags: bool) -> None:
-    """A re-stage of an unchanged tree: the manifest's paths are the listing's, held once; every other column
-    and the dataset digest are what a plain load gives, and empty etags take no memory."""
+    """A re-stage: the manifest's paths are the listing's, held once, and its sizes and mtimes too while they
+    are the same; every column and the dataset digest are what a plain load gives; empty etags take no memory."""
     m = _m(5000) if etags else _local(5000)
     m.save(tmp_path / "m.json")
-    listed = Manifest.from_entries("x", list(m)).path  # the same paths, another object (a listing's)
+    listed = Manifest.from_entries("x", list(m))  # the same columns, other objects (a listing's)
     plain, shared = Manifest.load(tmp_path / "m.json"), Manifest.load(tmp_path / "m.json", like=listed)
-    assert shared.path is listed and plain.path is not listed
+    assert shared.path is listed.path and shared.size is listed.size and shared.mtime_ns is listed.mtime_ns
+    assert plain.path is not listed.path
     assert list(shared) == list(plain) == list(m) and shared.dataset_digest == plain.dataset_digest
     if not etags:
         assert shared.etag.offsets.strides == (0,), "one zero, seen n + 1 times"
+
+
+@pytest.mark.parametrize("column", ["size", "mtime_ns"])
+@pytest.mark.parametrize("where", [0, 2999, 700_000])
+def test_a_column_that_differs_from_the_listings_is_the_manifests_own(tmp_path: Path, column: str,
+                                                                        where: int) -> None:
+    """One changed size or mtime (in the first, the last, or a later 4 MiB piece): that column is read as the
+    manifest has it, the listing's bytes before the change included, the others still shared."""
+    n = max(3000, where + 1)
+    m = _local(n)
+    m.save(tmp_path / "m.json")
+    listed = Manifest.from_entries("x", list(m))
+    getattr(listed, column)[where] += 1
+    got = Manifest.load(tmp_path / "m.json", like=listed)
+    assert getattr(got, column) is not getattr(listed, column)
+    assert np.array_equal(getattr(got, column), getattr(m, column))
+    other = "mtime_ns" if column == "size" else "size"
+    assert getattr(got, other) is getattr(listed, other) and got.path is listed.path
+    assert list(got) == list(m)
 
 
 @pytest.mark.parametrize("other", ["a path differs", "a file more", "damaged", "version 1"])
@@ -130,7 +151,7 @@ def test_a_manifest_unlike_the_listing_is_read_whole_and_still_checked(tmp_path:
         entries[1234] = Entry("d0/zzz.bin", 1, 1, "", entries[1234].digest)
     elif other == "a file more":
         entries.append(Entry("zzz/last.bin", 1, 1, "", entries[0].digest))
-    listed = Manifest.from_entries("x", entries).path
+    listed = Manifest.from_entries("x", entries)
     if other == "damaged":  # a byte of the size column: the body digest refuses it, with or without a listing
         raw = bytearray((tmp_path / "m.json").read_bytes())
         header = json.loads(raw[:raw.index(b"\n")])
@@ -140,5 +161,5 @@ def test_a_manifest_unlike_the_listing_is_read_whole_and_still_checked(tmp_path:
             Manifest.load(tmp_path / "m.json", like=listed)
         return
     got = Manifest.load(tmp_path / "m.json", like=listed)
-    assert got.path is not listed
+    assert got.path is not listed.path
     assert list(got) == list(m)
