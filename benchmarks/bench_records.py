@@ -159,8 +159,9 @@ def parts(src: Path, base: Path) -> dict[str, Any]:
     return doc
 
 
-SYNTHETIC = r"""
-import json, os, resource, sys, time, tempfile
+# The synthetic listing (columns only), as both scripts below build it: the stage's and the re-stage's.
+LISTING = r"""
+import json, os, resource, sys, time
 from pathlib import Path
 import numpy as np
 n, tmp = int(sys.argv[1]), Path(sys.argv[2])
@@ -183,6 +184,9 @@ size = (60_000 + (np.arange(n, dtype=np.int64) * 7919) % 140_000)
 mtime = 1_700_000_000_000_000_000 + np.arange(n, dtype=np.int64) * 1_000_003
 devs = (np.array([64]), np.zeros(n, dtype=np.uint16))  # one device, as a local tree has
 listing = Listing(paths, size, mtime, None, devs, np.arange(n, dtype=np.int64))
+"""
+
+SYNTHETIC = LISTING + r"""
 t["listing_s"] = time.perf_counter() - t0; t["rss_listing_mib"] = rss()
 t0 = time.perf_counter(); plan = make_plan(listing, None); t["plan_s"] = time.perf_counter() - t0
 t["rss_plan_mib"] = rss()
@@ -211,27 +215,7 @@ print(json.dumps(t))
 
 # A re-stage in a process of its own, as the stager runs it: the listing again (the same columns), the manifest
 # loaded sharing the listing's paths when they are the same (Manifest.load(like=...)), the plan against it.
-RESTAGE = r"""
-import json, os, resource, sys, time
-from pathlib import Path
-import numpy as np
-n, tmp = int(sys.argv[1]), Path(sys.argv[2])
-from stagingloader.cache.columns import StrColumn
-from stagingloader.cache.manifest import Manifest
-from stagingloader.staging.copyplan import make_plan
-from stagingloader.staging.listing import Listing
-def rss(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-t = {"rss_start_mib": rss()}
-t0 = time.perf_counter()
-blob = bytearray()
-for d in range((n + 999) // 1000):
-    blob += b"".join(b"train/d%05d/img%08d.jpg" % (d, i) for i in range(d * 1000, min(n, d * 1000 + 1000)))
-lens = np.full(n, len(b"train/d00000/img00000000.jpg"), dtype=np.int64)
-offsets = np.zeros(n + 1, dtype=np.int64); np.cumsum(lens, out=offsets[1:])
-size = (60_000 + (np.arange(n, dtype=np.int64) * 7919) % 140_000)
-mtime = 1_700_000_000_000_000_000 + np.arange(n, dtype=np.int64) * 1_000_003
-listing = Listing(StrColumn(blob, offsets), size, mtime, None, (np.array([64]), np.zeros(n, dtype=np.uint16)),
-                  np.arange(n, dtype=np.int64))
+RESTAGE = LISTING + r"""
 t["listing_s"] = time.perf_counter() - t0; t["rss_listing_mib"] = rss()
 t0 = time.perf_counter(); back = Manifest.load(tmp / "manifest.json", like=listing)
 t["manifest_load_s"] = time.perf_counter() - t0
