@@ -64,7 +64,8 @@ class StrColumn(Sequence[str]):
     def __reduce__(self) -> tuple[Any, ...]:
         if not len(self.blob):  # pickled as its length: a view of one zero would be sent as n + 1 of them
             return StrColumn.empty, (len(self),)
-        return StrColumn, (self.blob, self.offsets)
+        blob = bytes(self.blob) if isinstance(self.blob, memoryview) else self.blob  # a loaded manifest's column
+        return StrColumn, (blob, self.offsets)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

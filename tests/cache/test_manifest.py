@@ -163,3 +163,14 @@ def test_a_manifest_unlike_the_listing_is_read_whole_and_still_checked(tmp_path:
     got = Manifest.load(tmp_path / "m.json", like=listed)
     assert got.path is not listed.path
     assert list(got) == list(m)
+
+
+def test_a_loaded_manifest_pickles(tmp_path: Path) -> None:
+    """Its columns are views of the file's bytes (a memoryview does not pickle); a manifest goes to loader
+    worker processes with the dataset."""
+    import pickle
+
+    for m in (_m(300), _local(300)):
+        m.save(tmp_path / "m.json")
+        back = pickle.loads(pickle.dumps(Manifest.load(tmp_path / "m.json")))
+        assert list(back) == list(m) and back.dataset_digest == m.dataset_digest
