@@ -21,7 +21,7 @@ from ..errors import ManifestError
 from .copyplan import CORRUPT, MISSING
 from .listing import Listing, scan_staged
 from .result import StagedDataset, VerifyReport
-from .scanning import default_workers, in_parts
+from .scanning import default_workers, in_parts, scan_staged_tree
 
 
 def check_fast(data: Path, manifest: Manifest, found: Listing | None = None) -> dict[str, str]:
@@ -54,8 +54,11 @@ class ManifestMerge:
         if not n:
             return
         m = self.manifest
-        lo = _bisect(m.path, chunk.path.raw(0), right=False)
-        hi = _bisect(m.path, chunk.path.raw(n - 1), right=True)
+        if m.sorted_by_bytes:
+            lo = _bisect(m.path, chunk.path.raw(0), right=False)
+            hi = _bisect(m.path, chunk.path.raw(n - 1), right=True)
+        else:  # one chunk, the whole scan (see check_fast): every row
+            lo, hi = 0, len(m)
         if hi <= lo:
             return
         offsets = m.path.offsets[lo:hi + 1]
@@ -78,10 +81,13 @@ class ManifestMerge:
 def check_staged_tree(data: str | os.PathLike[str], manifest: Manifest, workers: int | None = None) -> dict[str, str]:
     """:func:`check_fast` of a whole tree, walked by up to ``workers`` processes (see :mod:`.scanning`), each
     comparing its part as it walks and sending back only what it found wrong and which rows it matched."""
+    merge = ManifestMerge(manifest)
+    if not manifest.sorted_by_bytes:  # rows in another order (an old manifest): the whole scan, joined once
+        merge.add(scan_staged_tree(data, workers=workers))
+        return merge.result()
     top = os.fspath(data)
     parts = in_parts(top, default_workers() if workers is None else workers, partial(_check_part, top, None),
                      here=partial(_check_part, top, manifest), initializer=_part_manifest, initargs=(manifest,))
-    merge = ManifestMerge(manifest)
     for matched, bad in parts:
         merge.matched |= np.unpackbits(matched, count=len(manifest)).astype(bool)
         merge.bad.update(bad)

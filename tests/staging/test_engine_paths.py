@@ -458,3 +458,26 @@ def test_the_fast_check_compares_a_staged_tree_chunk_by_chunk_as_it_walks(
         assert max(sizes) <= chunk - 1 + 6, "under CHUNK_ROWS files, then one folder's run (d19: six files)"
         assert len(sizes) > 1 or chunk > len(manifest)
     assert verify.check_fast(data, manifest) == got
+
+
+def test_the_fast_check_of_a_manifest_in_another_order_joins_the_whole_scan(tmp_path: Path) -> None:
+    """An old manifest whose rows are not in byte order cannot be compared a range of paths at a time: the
+    check scans the whole tree and joins it once, and finds the same damage."""
+    from stagingloader.cache.manifest import Manifest
+    from stagingloader.staging import verify
+
+    src = make_tree(tmp_path / "src", {f"d{i % 4}/f{i:03d}.bin": 20 + i for i in range(40)})
+    staged = sl.stage(str(src), str(tmp_path / "root"))
+    assert isinstance(staged, sl.StagedDataset)
+    m = staged.manifest
+    rows = list(m)[::-1]  # reversed: not byte order
+    unsorted = Manifest(m.source, [e.path for e in rows], [e.size for e in rows], [e.mtime_ns for e in rows],
+                        [e.etag for e in rows], [e.digest for e in rows], sorted_by_bytes=False)
+    (staged.root / "d1/f005.bin").unlink()
+    (staged.root / "d2/f010.bin").chmod(0o644)
+    (staged.root / "d2/f010.bin").write_bytes(b"short")
+    want = {"d1/f005.bin": "missing", "d2/f010.bin": "corrupt"}
+    for workers in (1, 3):
+        got = verify.check_staged_tree(staged.root, unsorted, workers=workers)
+        assert {k: v.split()[0] for k, v in got.items()} == want
+    assert {k: v.split()[0] for k, v in verify.check_fast(staged.root, unsorted).items()} == want
