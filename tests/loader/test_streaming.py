@@ -87,7 +87,7 @@ def test_an_evicted_file_is_asked_for_again(src: Path, tmp_path: Path) -> None:
         t = threading.Thread(daemon=True, target=lambda: (ds[5], done.set()))
         t.start()
         urgent = sim.sdir / f"urgent-{stream.reader_id(0)}"
-        while not urgent.exists():
+        while not urgent.exists() or urgent.stat().st_size < 8:  # its row, not just the file (made empty first)
             t.join(0.01)
         assert not done.is_set() and np.fromfile(urgent, dtype="<i8").tolist() == [5]
         sim._copy(5)  # the stager copies it again
@@ -311,7 +311,8 @@ def test_auto_backend_takes_torch_while_streaming(src: Path, tmp_path: Path) -> 
         t = threading.Thread(daemon=True, target=lambda: got.append(ready(7)))
         got: list[str] = []
         t.start()
-        while not (sim.sdir / f"urgent-{stream.reader_id(0)}").exists():
+        urgent = sim.sdir / f"urgent-{stream.reader_id(0)}"
+        while not urgent.exists() or urgent.stat().st_size < 8:  # its row, not just the file: see above
             t.join(0.01)
         assert not got  # GDS would wait for the file too
         gate.set()

@@ -64,13 +64,16 @@ def test_sigkill_at_20_points_never_leaves_a_corrupt_file(crash_src: Path, tmp_p
         report = _finish(crash_src, root)  # resumes: no manual clean-up step
         assert check_invariant(root, expected)["versions"] == 1
         assert tree_digests(Path(str(report["root"]))) == expected
-        if seen["incoming_files"] and int(str(report["copied_files"])) < len(expected):
+        # the resumed run reused what the killed one finished: whole small files, or ranges of a large one
+        # (a large file counts as copied even when most of its ranges were resumed)
+        if ((seen["incoming_files"] and int(str(report["copied_files"])) < len(expected))
+                or (seen["partials"] and int(str(report["resumed_bytes"])) > 0)):
             resumed_less += 1
         ddir = Path(str(report["dataset_dir"]))
         assert not (ddir / "incoming").exists()
         assert not list(ddir.glob(".deleting-*"))
     assert killed_mid_copy >= 20, f"only {killed_mid_copy} of {attempts} kills landed mid-copy"
-    assert resumed_less >= 5, "resumed runs copied everything again"
+    assert resumed_less >= 5, f"only {resumed_less} resumed runs reused finished files or ranges"
 
 
 def test_large_file_resumes_from_finished_ranges(crash_src: Path, tmp_path: Path) -> None:
