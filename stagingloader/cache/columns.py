@@ -153,14 +153,20 @@ class StrColumn(Sequence[str]):
     def find(self, text: str) -> int:
         """Row of ``text`` in a column sorted by bytes (binary search), or -1."""
         key = encode(text)
+        lo = self.bisect(key)
+        return lo if lo < len(self) and self.raw(lo) == key else -1
+
+    def bisect(self, key: bytes, *, right: bool = False) -> int:
+        """In a column sorted by bytes, the first row >= ``key`` (``right``: > ``key``)."""
         lo, hi = 0, len(self)
         while lo < hi:
             mid = (lo + hi) // 2
-            if self.raw(mid) < key:
+            r = self.raw(mid)
+            if r < key or (right and r == key):
                 lo = mid + 1
             else:
                 hi = mid
-        return lo if lo < len(self) and self.raw(lo) == key else -1
+        return lo
 
     def is_sorted(self) -> bool:
         """Strictly ascending by bytes (sorted, no duplicates)?  One pass; used where a column's order is unknown."""

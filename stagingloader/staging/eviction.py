@@ -16,6 +16,7 @@ orders are int64 arrays of rows, positions count reads from the start of an orde
 from __future__ import annotations
 
 import heapq
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -105,8 +106,9 @@ class Policy(Protocol):
     def victims(self, need_bytes: int, *, protected: Collection[int] = ()) -> list[int]: ...
 
 
-class _HeapPolicy:
-    """Resident rows in a lazy heap keyed by eviction priority (smallest key evicted first)."""
+class _HeapPolicy(ABC):
+    """Resident rows in a lazy heap keyed by eviction priority (smallest key evicted first); each policy says
+    what the key is."""
 
     def __init__(self, sizes: ArrayLike) -> None:
         self._sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
@@ -114,8 +116,9 @@ class _HeapPolicy:
         self._heap: list[tuple[int, int, int]] = []
         self.resident_bytes = 0
 
+    @abstractmethod
     def _key(self, row: int) -> int:
-        raise NotImplementedError
+        """The row's eviction priority: the smallest goes first."""
 
     def _push(self, row: int) -> None:
         heapq.heappush(self._heap, (self._key(row), -int(self._sizes[row]), row))

@@ -1,9 +1,9 @@
 """A large file copied by ranges into one temp file, by the worker that opened it, and hashed in order.
 
-A large file's ranges go to one worker, in order (:meth:`.copier.Copier._next_job`): it reads each into its
-buffer, hashes it there, both for the range's digest (the ``.ranges`` journal, from which a killed copy
-resumes) and for the file's running digest, and writes it; with the last range it sends the file's xxh3-128
-digest, the one the manifest records.  No byte is read twice.
+A large file's ranges go to one worker, in order (:meth:`.copier.Copier._next_job`): it copies each with
+``sendfile`` and hashes it from one read-only mapping of the pages it wrote, both for the range's digest (the
+``.ranges`` journal, from which a killed copy resumes) and into the file's running digest; with the last range
+it sends the file's xxh3-128 digest, the one the manifest records.  The stager's process reads none of it.
 
 When the ranges cannot all come from one worker in order (another worker helps with the last file, the stager
 copied the first ranges while the workers started, ranges of an interrupted run are reused, or a remote source's
@@ -115,7 +115,7 @@ class LargeFile:
         self.handed_out = offset + length
         if self.chain is _NOBODY and offset == 0 and in_order:
             self.chain = executor
-        if self.chain is not _BROKEN and self.chain is not _NOBODY and self.chain is executor:
+        if self.chained and self.chain is executor:
             return True
         self.break_chain()
         return False
@@ -149,7 +149,7 @@ class LargeFile:
                 self.hashed += length
         if self.next_offset != self.file.size:
             return False
-        if self.chained and not self.chain_digest:  # cannot happen (the last range brings it); hash here
+        if self.chained and not self.chain_digest:  # the worker lost the chain (it should not): hash here
             self.break_chain()
             return self.hash_ready()
         return True

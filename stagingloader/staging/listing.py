@@ -427,11 +427,9 @@ def scan_staged(top: str | os.PathLike[str], only: Collection[bytes] | None = No
     finally:
         for frame in stack:
             os.close(frame[2])
-    if on_chunk is not None:
-        if len(out.size):
-            on_chunk(out.take_chunk())
-        return ListingBuilder().listing()
-    return out.listing()
+    if on_chunk is not None and len(out.size):
+        on_chunk(out.take_chunk())
+    return out.listing()  # empty when every file went to on_chunk
 
 
 def _walk_staged(stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], bytes, int]],

@@ -55,8 +55,8 @@ class ManifestMerge:
             return
         m = self.manifest
         if m.sorted_by_bytes:
-            lo = _bisect(m.path, chunk.path.raw(0), right=False)
-            hi = _bisect(m.path, chunk.path.raw(n - 1), right=True)
+            lo = m.path.bisect(chunk.path.raw(0))
+            hi = m.path.bisect(chunk.path.raw(n - 1), right=True)
         else:  # one chunk, the whole scan (see check_fast): every row
             lo, hi = 0, len(m)
         if hi <= lo:
@@ -107,19 +107,6 @@ def _check_part(top: str, manifest: Manifest | None, only: frozenset[bytes] | No
     merge = ManifestMerge(manifest if manifest is not None else _MANIFEST)  # type: ignore[arg-type]
     scan_staged(top, only, on_chunk=merge.add, chunk_rows=CHUNK_ROWS)
     return np.packbits(merge.matched), merge.bad
-
-
-def _bisect(column: StrColumn, key: bytes, *, right: bool) -> int:
-    """The first row of a column sorted by bytes that is >= ``key`` (``right``: > ``key``)."""
-    lo, hi = 0, len(column)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        r = column.raw(mid)
-        if r < key or (right and r == key):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 def check_full(data: Path, manifest: Manifest, workers: int = 4,
