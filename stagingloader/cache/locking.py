@@ -67,6 +67,13 @@ def _write_info(info_path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def _is_folder(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
 class DatasetLock:
     """An exclusive lock on a dataset folder; use as a context manager."""
 
@@ -95,7 +102,18 @@ class DatasetLock:
         told = 0.0
         vanished = 0
         while True:
-            self.lock_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # private, as a dataset folder is
+            try:
+                self.lock_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # private, as a dataset folder is
+            except FileExistsError:
+                # It existed when mkdir tried, and was gone when mkdir looked again: gc, holding the lock, moved it
+                # away in between. Or it is not a folder at all, which no number of tries mends.
+                if os.path.lexists(self.lock_file.parent) and not _is_folder(self.lock_file.parent):
+                    raise CacheError(f"{self.lock_file.parent} is not a folder, so it cannot hold a staged dataset; "
+                                     f"remove it (rm {self.lock_file.parent}) and stage again") from None
+                vanished += 1
+                if vanished > 100:
+                    raise
+                continue
             try:
                 fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             except FileNotFoundError:  # its folder was removed (by gc, holding the lock) since it was made

@@ -203,3 +203,40 @@ def test_a_dataset_a_killed_gc_left_half_deleted_is_never_listed_and_is_swept(sr
     assert cli_json("ls", "--root", str(root))["datasets"] == []
     housekeeping.gc(str(root), 1 << 40, {})
     assert not aside.exists()
+
+
+def test_a_lock_whose_folder_gc_moves_away_mid_mkdir_makes_it_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fault campaign's race: mkdir finds the dataset folder there (EEXIST), and gc, holding the lock, renames
+    # it away before mkdir checks that it is a folder. The lock must make the folder again, not fail.
+    from stagingloader.cache.locking import DatasetLock
+
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    real_mkdir = os.mkdir
+    moved = []
+
+    def gc_between(path: Any, mode: int = 0o777, **kw: Any) -> None:
+        if Path(path) == folder and not moved:
+            moved.append(True)
+            os.rename(folder, tmp_path / ".deleting-ds")  # what gc does, between EEXIST and the is_dir check
+            raise FileExistsError(17, "File exists", str(path))
+        real_mkdir(path, mode, **kw)
+
+    monkeypatch.setattr(os, "mkdir", gc_between)
+    with DatasetLock(folder / ".lock", timeout=5) as lock:
+        assert lock.held and moved
+        assert (folder / ".lock").is_file()
+
+
+@pytest.mark.parametrize("squat", ["file", "dangling link"])
+def test_a_file_where_the_dataset_folder_goes_is_named(tmp_path: Path, squat: str) -> None:
+    from stagingloader.cache.locking import DatasetLock
+    from stagingloader.errors import CacheError
+
+    folder = tmp_path / "ds"
+    if squat == "file":
+        folder.write_text("not a folder")
+    else:
+        folder.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(CacheError, match="is not a folder.*remove it"):
+        DatasetLock(folder / ".lock", timeout=5).acquire()
