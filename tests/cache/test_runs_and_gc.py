@@ -205,7 +205,8 @@ def test_a_dataset_a_killed_gc_left_half_deleted_is_never_listed_and_is_swept(sr
     assert not aside.exists()
 
 
-def test_a_lock_whose_folder_gc_moves_away_mid_mkdir_makes_it_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_lock_whose_folder_gc_moves_away_mid_mkdir_makes_it_again(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # The fault campaign's race: mkdir finds the dataset folder there (EEXIST), and gc, holding the lock, renames
     # it away before mkdir checks that it is a folder. The lock must make the folder again, not fail.
     from stagingloader.cache.locking import DatasetLock
@@ -238,5 +239,5 @@ def test_a_file_where_the_dataset_folder_goes_is_named(tmp_path: Path, squat: st
         folder.write_text("not a folder")
     else:
         folder.symlink_to(tmp_path / "nowhere")
-    with pytest.raises(CacheError, match="is not a folder.*remove it"):
+    with pytest.raises(CacheError, match=r"is not a folder.*remove it"):
         DatasetLock(folder / ".lock", timeout=5).acquire()
