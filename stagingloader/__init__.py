@@ -1,16 +1,17 @@
 """stagingloader: stage datasets onto node-local fast storage, verified, and feed GPUs from it.
 
-Importing this package loads neither torch, DALI nor s3fs; they load when used.
+Importing this package loads neither torch, DALI, s3fs nor numpy; they load when used (numpy with the first of
+the names below that needs it), so the command line can load numpy its own way (see :mod:`.cli`).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import fields
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
-from .cache.manifest import Manifest
 from .errors import (
     CacheError,
     CheckpointCorruptError,
@@ -36,17 +37,27 @@ from .errors import (
     UsageError,
     VerificationError,
 )
-from .staging.result import StagedDataset, StageReport, VerifyReport
-from .staging.stager import StageOptions, StagePlan
-from .staging.verify import verify
+
+if TYPE_CHECKING:
+    from .cache.manifest import Manifest
+    from .staging.result import StagedDataset, StageReport, VerifyReport
+    from .staging.stager import StageOptions, StagePlan
+    from .staging.verify import verify
 
 __version__ = "0.1.0"
 
 _LAZY = {"DataLoader", "StagedFiles", "StagedArrays", "LoaderStats", "diagnose", "Checkpoints"}
+#: names whose modules load numpy: imported on first use too
+_LAZY_FROM = {"Manifest": ".cache.manifest", "StagedDataset": ".staging.result", "StageReport": ".staging.result",
+              "VerifyReport": ".staging.result", "StageOptions": ".staging.stager", "StagePlan": ".staging.stager",
+              "verify": ".staging.verify"}
 
 
 def __getattr__(name: str) -> Any:
-    """The loader's names load torch, so they are imported on first use."""
+    """The loader's names load torch, and the staging ones numpy, so they are imported on first use."""
+    if name in _LAZY_FROM:
+        value = globals()[name] = getattr(importlib.import_module(_LAZY_FROM[name], __name__), name)
+        return value
     if name in _LAZY:
         if name == "Checkpoints":
             from .checkpoints import Checkpoints
@@ -155,7 +166,7 @@ def stage(
     tier, evicting the file the readers need furthest in the future; a dataset larger than the tier streams under
     what the tier holds.  Such a run never publishes a complete version.
     """
-    from .staging.stager import run_stage
+    from .staging.stager import StageOptions, run_stage
 
     if not isinstance(src, (str, os.PathLike)):
         raise UsageError(f"src must be a path or a URL such as s3://bucket/prefix, not {type(src).__name__} {src!r}")
