@@ -36,7 +36,7 @@ from ..cache import trust
 from ..cache.layout import safe_join
 from ..cache.manifest import Entry
 from ..errors import NoSpaceError
-from .copyops import EntryTuple, Item, Target, Worker, as_root_error
+from .copyops import Buffer, EntryTuple, Item, Target, Worker, as_root_error
 from .feed import Feed, Wakeup
 from .gate import Gate
 from .incoming import Incoming
@@ -219,7 +219,7 @@ class Copier:
         target = Target(incoming=str(incoming.path), source_url=source.url, fsync=settings.fsync,
                         retry=source.retry)
         self._target = target
-        self._worker = Worker(target, self.stop, None if source.is_local else source.read_range)
+        self._worker = Worker(target, self.stop, None if source.is_local else source)
         self._on_done: Callable[[list[Entry]], None] | None = None
         self._inline: list[tuple[_Job, Any]] = []  #: results of jobs run in this thread, not yet handled
         self._threads: _Threads | None = None
@@ -474,7 +474,8 @@ class Copier:
         if err is not None:
             self._fail(err)
 
-    def _complete_range(self, job: _Job, result: tuple[tuple[str, str] | None, BaseException | None]) -> None:
+    def _complete_range(self, job: _Job,
+                        result: tuple[tuple[str, str, list[Buffer]] | None, BaseException | None]) -> None:
         digests, err = result
         lf = job.large
         assert lf is not None

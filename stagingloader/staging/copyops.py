@@ -25,7 +25,7 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,6 +70,38 @@ EntryTuple = tuple[str, int, int, str, str]
 Item = tuple[SourceFile, str, str]
 
 
+Buffer = bytes | memoryview
+
+
+class Remote(Protocol):
+    """A remote source's bytes (:class:`~.sources.Source` is one): a whole range, or a range handed to a consumer
+    piece by piece as it arrives (retried: each attempt calls the consumer afresh, which returns the bytes taken)."""
+
+    def read_range(self, rel: str, start: int, end: int, etag: str = "") -> Buffer: ...
+
+    def consume_range(self, rel: str, start: int, end: int, etag: str,
+                      consume: Callable[[Iterator[Buffer]], int]) -> None: ...
+
+
+class _Received:
+    """Writes a remote range's pieces at their place in the temp file as they arrive, and hashes them; keeps them
+    (the client's own buffers, no copy) for the file's in-order digest."""
+
+    def __init__(self, fd: int, offset: int) -> None:
+        self.fd, self.offset = fd, offset
+        self.hasher = dg.new_hasher()
+        self.pieces: list[Buffer] = []
+
+    def take(self, pieces: Iterator[Buffer]) -> int:
+        self.hasher, self.pieces, at = dg.new_hasher(), [], self.offset  # a retry starts the range again
+        for piece in pieces:
+            pwrite_all(self.fd, memoryview(piece), at)
+            self.hasher.update(piece)
+            self.pieces.append(piece)
+            at += len(piece)
+        return at - self.offset
+
+
 @dataclass(frozen=True, kw_only=True)
 class Target:
     """Where and how files are written; sent once to every worker process."""
@@ -83,11 +115,10 @@ class Target:
 class Worker:
     """The per-worker state: a reused buffer, the folders already created, the temp-name counter."""
 
-    def __init__(self, target: Target, stop: StopFlag,
-                 read_range: Callable[[str, int, int, str], bytes | memoryview] | None = None) -> None:
+    def __init__(self, target: Target, stop: StopFlag, remote: Remote | None = None) -> None:
         self.target = target
         self.stop = stop
-        self.read_range = read_range  #: a remote source's reader (threads only)
+        self.remote = remote  #: a remote source (threads only)
         self.folders = DataFolders(f"{target.incoming}/data", target.incoming)
         # this process's own temp folder: two processes creating and renaming files out of one folder contend for
         # its lock (10 % more CPU per 4 KiB file here); made at the first file
@@ -119,7 +150,7 @@ class Worker:
         written: list[tuple[str, str, str, str, str, EntryTuple]] = []  # where, tmp, final, digest, want, entry
         done: list[EntryTuple] = []
         err: BaseException | None = None
-        quick = self.read_range is None
+        quick = self.remote is None
         for f, path, want in items:
             if self.stop.is_set():
                 break
@@ -216,11 +247,11 @@ class Worker:
         tmp = f"{self.partial}{self.new_name()}.tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
-            if self.read_range is None:
+            if self.remote is None:
                 mtime_ns, size, digest = self._read_local(f, path, fd)
                 etag = ""
             else:
-                data = self.read_range(f.rel, 0, f.size, f.etag) if f.size else b""
+                data = self.remote.read_range(f.rel, 0, f.size, f.etag) if f.size else b""
                 digest = dg.digest_bytes(data)
                 write_out(fd, memoryview(data))
                 mtime_ns, size, etag = f.mtime_ns, f.size, f.etag
@@ -327,9 +358,11 @@ class Worker:
             _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
     def copy_range(self, f: SourceFile, path: str, tmp: str, offset: int, length: int,
-                   chain: bool = False) -> tuple[str, str]:
+                   chain: bool = False) -> tuple[str, str, list[Buffer]]:
         """Copy ``length`` bytes at ``offset`` of a large file into its temp file; return the range's digest (for
-        the ``.ranges`` journal) and, with ``chain``, the whole file's digest when this was its last range.
+        the ``.ranges`` journal), with ``chain`` the whole file's digest when this was its last range, and a remote
+        range's bytes as they arrived (the client's buffers, for the stager's in-order digest; none for a local
+        one, whose pages the stager maps).
 
         ``chain`` says this worker copies the file's ranges in order (the stager decides, see
         :class:`~.largefiles.LargeFile`): it then also feeds each range into the file's running digest, kept here
@@ -340,16 +373,15 @@ class Worker:
         fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             running = self._chained(tmp, offset) if chain else None
-            if self.read_range is not None:
-                data = memoryview(self.read_range(f.rel, offset, offset + length, f.etag))
-                if len(data) != length:
-                    raise SourceChangedError(f"{path}: a range came back with {len(data)} "
-                                             f"bytes, not {length}; stage again once the source is stable")
-                pwrite_all(fd, data, offset)
+            if self.remote is not None:  # written piece by piece as it arrives: no buffer the size of the range
+                got = _Received(fd, offset)
+                self.remote.consume_range(f.rel, offset, offset + length, f.etag, got.take)
                 self._start_writeback(fd, offset, length)
                 if running is not None:
-                    running.update(data)
-                return dg.digest_bytes(data), self._chain_end(tmp, running, offset + length, f.size)
+                    for piece in got.pieces:
+                        running.update(piece)
+                return (dg.format_digest(got.hasher), self._chain_end(tmp, running, offset + length, f.size),
+                        got.pieces)
 
             def attempt() -> int:
                 src, _ = stable.open_listed(path, f)
@@ -367,7 +399,7 @@ class Worker:
                 if running is not None:
                     running.update(m)
                 digest = dg.digest_bytes(m)  # type: ignore[arg-type]
-            return digest, self._chain_end(tmp, running, offset + length, f.size)
+            return digest, self._chain_end(tmp, running, offset + length, f.size), []
         finally:
             os.close(fd)
 
@@ -463,5 +495,5 @@ def as_root_error(exc: BaseException) -> BaseException:
     return exc
 
 
-__all__ = ["SENDFILE_MIN", "EntryTuple", "Item", "StopFlag", "Target", "Worker", "as_root_error", "hash_written",
-           "pwrite_all", "read_source", "sendfile_range", "write_out"]
+__all__ = ["SENDFILE_MIN", "Buffer", "EntryTuple", "Item", "Remote", "StopFlag", "Target", "Worker", "as_root_error",
+           "hash_written", "pwrite_all", "read_source", "sendfile_range", "write_out"]

@@ -7,9 +7,11 @@ it sends the file's xxh3-128 digest, the one the manifest records.  The stager's
 
 When the ranges cannot all come from one worker in order (another worker helps with the last file, the stager
 copied the first ranges while the workers started, ranges of an interrupted run are reused, or a remote source's
-threads copy them in any order), the chain is *broken*: the stager then hashes the file itself, in order, over
-the pages already written, from a read-only mapping of the temp file, as the ranges before them finish; nothing
-waits in memory for its turn.
+threads copy them in any order), the chain is *broken*: the stager then hashes the file itself, in order, as the
+ranges before them finish.  A remote range comes back with the pieces it arrived in (the client's buffers), and
+up to :data:`HELD_RANGES` of them per file wait in memory for their turn, which costs a quarter of hashing them
+again from a mapping of the written pages (page faults, and a cold read); any other range is hashed from a
+read-only mapping of the temp file.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import contextlib
 import logging
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +30,14 @@ from .. import digest as dg
 from ..errors import SourceChangedError
 from ..fsio import atomic_write
 from . import stable
-from .copyops import hash_written
+from .copyops import Buffer, hash_written
 from .incoming import Incoming, partial_id
 from .sources import SourceFile
 
 log = logging.getLogger(__name__)
 
+#: remote ranges per file whose bytes wait in memory for the in-order digest (the rest are read back from the file)
+HELD_RANGES = 8
 _NOBODY, _BROKEN = object(), object()  #: no range handed out yet; ranges handed to several (see hand_out)
 
 
@@ -52,6 +56,7 @@ class LargeFile:
         self.next_offset = 0  #: the end of the ranges finished so far, in order
         self.handed_out = 0  #: the end of the last range handed to a worker (or found intact)
         self.finished_ranges: dict[int, int] = {}  #: offset -> length, finished but not yet counted in order
+        self.held: dict[int, list[Buffer]] = {}  #: offset -> a remote range's bytes, until the stager hashes them
         self.chain: Any = _NOBODY  #: who hashes the whole file in order: the worker its first range went to
         self.chain_digest = ""  #: the file's digest, sent by that worker with the last range
         self.fd = self.src_fd = self.ranges_fd = -1
@@ -128,13 +133,17 @@ class LargeFile:
     def chained(self) -> bool:
         return self.chain is not _BROKEN and self.chain is not _NOBODY
 
-    def range_copied(self, offset: int, length: int, digest: str, file_digest: str = "") -> None:
+    def range_copied(self, offset: int, length: int, digest: str, file_digest: str = "",
+                     pieces: Sequence[Buffer] = ()) -> None:
         """A range was copied: journal it (for a resume) and queue it for the in-order count; ``file_digest``
-        comes with the last range of a chain."""
+        comes with the last range of a chain, ``pieces`` with a remote range (its bytes, kept to hash in order)."""
         os.write(self.ranges_fd, f"{offset} {length} {digest}\n".encode())
         self.finished_ranges[offset] = length
         if file_digest:
             self.chain_digest = file_digest
+        if pieces and not self.chained and offset >= self.hashed and (
+                len(self.held) < HELD_RANGES or offset == self.next_offset):  # the next in order: hashed at once
+            self.held[offset] = list(pieces)
 
     def hash_ready(self) -> bool:
         """Count the ranges now finished in order (and hash them, unless a worker does); True once the whole file
@@ -143,6 +152,12 @@ class LargeFile:
             self.next_offset += self.finished_ranges.pop(self.next_offset)
         if not self.chained:
             while self.hashed < self.next_offset:  # from the start when the chain just broke
+                pieces = self.held.pop(self.hashed, None)
+                if pieces is not None:
+                    for piece in pieces:
+                        self.hasher.update(piece)
+                        self.hashed += len(piece)
+                    continue
                 length = min(self.range_size, self.next_offset - self.hashed)
                 with mmap.mmap(self.fd, length, prot=mmap.PROT_READ, offset=self.hashed) as m:
                     self.hasher.update(m)
@@ -178,6 +193,7 @@ class LargeFile:
         return self.chain_digest if self.chained else dg.format_digest(self.hasher)
 
     def close(self) -> None:
+        self.held.clear()
         for name in ("fd", "src_fd", "ranges_fd"):
             fd = getattr(self, name)
             if fd >= 0:

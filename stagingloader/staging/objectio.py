@@ -23,8 +23,9 @@ import datetime
 import logging
 import os
 import re
+import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -53,6 +54,9 @@ _CLIENT_MAPPED = frozenset({"region_name", "endpoint_url", "verify", "use_ssl", 
                             "aws_secret_access_key", "aws_session_token"})
 #: the reads obstore makes inside one call before the caller's retry policy takes over
 _INNER_RETRIES = 2
+#: the pieces a streamed range arrives in: small enough that the allocator reuses their memory, large enough that
+#: the Python around each (a write, a digest update) costs little
+STREAM_CHUNK = 256 << 10
 _DNS_LABEL = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 
 
@@ -278,6 +282,30 @@ class ObstoreReader:
             raise known from e
 
     def read(self, path: str, start: int, end: int, etag: str) -> Buffer:
+        tag = etag.partition("@")[0]
+        try:
+            return memoryview(self._get(path, start, end, etag).bytes())
+        except Exception as e:
+            known = translate(e, path, tag)
+            if known is e:
+                raise
+            raise known from e
+
+    def chunks(self, path: str, start: int, end: int, etag: str) -> Iterator[Buffer]:
+        """Bytes ``[start, end)`` as they arrive, in pieces of at least ``STREAM_CHUNK`` bytes (the last one may be
+        shorter): no buffer as large as the range is made and filled (a copy, and fresh pages, per range)."""
+        tag = etag.partition("@")[0]
+        try:
+            for piece in self._get(path, start, end, etag).stream(min_chunk_size=STREAM_CHUNK):
+                yield memoryview(piece)
+        except Exception as e:
+            known = translate(e, path, tag)
+            if known is e:
+                raise
+            raise known from e
+
+    def _get(self, path: str, start: int, end: int, etag: str) -> Any:
+        """The answer to a ranged GET of the version ``etag`` names (``If-Match``; its ETag checked too)."""
         import obstore
 
         bucket, _, key = path.partition("/")
@@ -287,16 +315,10 @@ class ObstoreReader:
             options["if_match"] = f'"{tag}"'
         if version:
             options["version"] = version
-        try:
-            result = obstore.get(self.store(bucket), key, options=options)  # type: ignore[arg-type]
-            if tag and str(result.meta.get("e_tag") or tag).strip('"') != tag:
-                raise _changed(path, tag)
-            return memoryview(result.bytes())
-        except Exception as e:
-            known = translate(e, path, tag)
-            if known is e:
-                raise
-            raise known from e
+        result = obstore.get(self.store(bucket), key, options=options)  # type: ignore[arg-type]
+        if tag and str(result.meta.get("e_tag") or tag).strip('"') != tag:
+            raise _changed(path, tag)
+        return result
 
 
 def _info(name: str, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -364,6 +386,21 @@ def s3_reader(fs: Any, options: Mapping[str, Any]) -> RangeReader:
     return ObstoreReader(plan, credentials)
 
 
+def fsspec_config(protocol: str) -> dict[str, Any]:
+    """fsspec's configuration of ``protocol`` (its ``FSSPEC_*`` environment variables and config folder), without
+    importing fsspec (50-130 ms of a stage's start here) when there is neither."""
+    if "fsspec.config" not in sys.modules and not any(k.startswith("FSSPEC") for k in os.environ):
+        folder = os.path.join(os.path.expanduser("~"), ".config/fsspec")  # FSSPEC_CONFIG_DIR would be seen above
+        try:
+            if not os.listdir(folder):
+                return {}
+        except OSError:  # no such folder (or not one we may read): fsspec reads nothing from it either
+            return {}
+    import fsspec.config
+
+    return dict(fsspec.config.conf.get(protocol, {}))
+
+
 def direct_reader(options: Mapping[str, Any], *, environ: Mapping[str, str]) -> ObstoreReader | None:
     """An obstore reader (and lister) made from the s3fs options alone, without importing s3fs or botocore.
 
@@ -376,11 +413,9 @@ def direct_reader(options: Mapping[str, Any], *, environ: Mapping[str, str]) -> 
         import obstore  # noqa: F401
     except ImportError:
         return None
-    import fsspec.config
-
     merged: dict[str, Any] = {}
     for proto in ("s3", "s3a"):  # as fsspec applies its config to s3fs's keyword arguments
-        merged.update(fsspec.config.conf.get(proto, {}))
+        merged.update(fsspec_config(proto))
     merged.update(options)
     client_kwargs = dict(merged.get("client_kwargs") or {})
     config_kwargs = dict(merged.get("config_kwargs") or {})
@@ -431,5 +466,5 @@ def _session_credentials(fs: Any) -> Callable[[], dict[str, Any]] | None:
     return provide
 
 
-__all__ = ["Buffer", "ObstorePlan", "ObstoreReader", "RangeReader", "S3fsReader", "direct_reader", "plan_obstore",
-           "precondition_failed", "s3_reader", "translate"]
+__all__ = ["Buffer", "ObstorePlan", "ObstoreReader", "RangeReader", "S3fsReader", "direct_reader", "fsspec_config",
+           "plan_obstore", "precondition_failed", "s3_reader", "translate"]

@@ -481,3 +481,44 @@ def test_the_fast_check_of_a_manifest_in_another_order_joins_the_whole_scan(tmp_
         got = verify.check_staged_tree(staged.root, unsorted, workers=workers)
         assert {k: v.split()[0] for k, v in got.items()} == want
     assert {k: v.split()[0] for k, v in verify.check_fast(staged.root, unsorted).items()} == want
+
+
+def test_a_remote_files_ranges_are_hashed_in_order_from_the_pieces_they_arrived_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Remote ranges finish in any order; up to HELD_RANGES of them wait in memory as the pieces they arrived in
+    and are hashed from those, the rest from the written file. The temp file's bytes of every held range are
+    zeroed here, so the digest comes out right only if held ranges are hashed from their pieces, in order."""
+    import random
+
+    from stagingloader import digest as dg
+    from stagingloader.staging import largefiles
+
+    monkeypatch.setattr(largefiles, "HELD_RANGES", 3)
+    step, size = 64 << 10, (64 << 10) * 7 + 999
+    src = make_tree(tmp_path / "src", {"obj.bin": size})
+    data = (src / "obj.bin").read_bytes()
+    listed = next(iter(Source(str(src)).listing()))
+    incoming = Incoming(tmp_path / "incoming")
+    incoming.open()
+    lf = largefiles.LargeFile(listed, "s3://bucket/obj.bin", incoming, step, local=False)
+    rng = random.Random(5)
+    offsets = list(range(0, size, step))
+    for offset in reversed(offsets):  # the first range last: every other one waits for it
+        lf.hand_out(None, offset, min(step, size - offset), in_order=False)
+    held = []
+    for offset in reversed(offsets):
+        chunk = data[offset:offset + step]
+        cuts = sorted(rng.sample(range(1, len(chunk)), 3))
+        pieces = [memoryview(chunk)[a:b] for a, b in zip([0, *cuts], [*cuts, len(chunk)], strict=True)]
+        before = len(lf.held)
+        lf.range_copied(offset, len(chunk), dg.digest_bytes(chunk), "", pieces)
+        kept = len(lf.held) > before or offset == 0
+        os.pwrite(lf.fd, bytes(len(chunk)) if kept else chunk, offset)  # a held range's bytes are never read back
+        if kept:
+            held.append(offset)
+        done = lf.hash_ready()
+        assert done == (offset == 0)
+    assert held[:3] == offsets[-1:-4:-1] and held[-1] == 0, held  # the three last ranges, then the first
+    assert lf.seal(fsync=False) == dg.digest_bytes(data)
+    assert lf.held == {}
+    incoming.close()

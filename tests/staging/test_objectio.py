@@ -138,6 +138,55 @@ def test_5xx_and_resets_mid_range_are_retried_to_the_same_bytes(s3: S3Server, ro
     assert sl.verify(ds).ok
 
 
+def _cut_then_forward(path: str, rate: float, cuts: int) -> int:
+    """A fault-proxy seed whose first ``cuts`` GETs of ``path`` are cut in the middle of their bodies and whose
+    next one passes (the proxy's dice, see FaultProxy._decide)."""
+    import random
+
+    def roll(seed: int, n: int) -> tuple[float, float]:
+        rng = random.Random(f"{seed}|GET|{path}|{n}")
+        return rng.random(), rng.random()
+
+    return next(seed for seed in range(100_000)
+                if all(roll(seed, n)[0] < rate and roll(seed, n)[1] >= 0.5 for n in range(1, cuts + 1))
+                and roll(seed, cuts + 1)[0] >= rate)
+
+
+def test_a_streamed_range_cut_mid_body_is_read_again_from_its_start(s3: S3Server, tmp_path: Path) -> None:
+    """A large file's range is written piece by piece as it arrives; a connection cut half-way (more often than
+    the client resumes by itself) retries the range, and what is written, hashed and kept for the file's digest
+    is the last answer alone."""
+    from stagingloader import digest as dg
+    from stagingloader.staging.copyops import _Received
+
+    key, size = BIG
+    host, port = s3.endpoint_url.split("//")[1].split(":")
+    seed = _cut_then_forward(f"/{BUCKET}/{key}", 0.5, 3)
+    files = _listed(Source(f"s3://{BUCKET}/ds", s3.storage_options()))
+    want = content(key, size)[:8 << 20]
+    with FaultProxy(host, int(port), error_rate=0.0, drop_rate=0.5, seed=seed) as proxy:
+        source = Source(f"s3://{BUCKET}/ds", s3.storage_options(endpoint_url=proxy.endpoint_url))
+        fd = os.open(tmp_path / "big.tmp", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            got = _Received(fd, 0)
+            tries: list[int] = []
+
+            def take(pieces: Iterator[Any]) -> int:
+                tries.append(1)
+                return got.take(pieces)
+
+            source.consume_range("big.bin", 0, 8 << 20, files["big.bin"].etag, take)
+            written = os.pread(fd, 8 << 20, 0)
+        finally:
+            os.close(fd)
+        # obstore resumes a body cut once or twice by itself; the third cut reaches us, and the range starts over
+        assert proxy.actions["drop_mid"] == 3 and len(tries) == 2
+    assert len(got.pieces) > 1, "the range did not arrive in pieces"
+    assert b"".join(got.pieces) == want and written == want
+    assert dg.format_digest(got.hasher) == dg.digest_bytes(want)
+
+
 def test_permanent_answers_fail_at_once_with_one_clear_message(s3: S3Server) -> None:
     host, port = s3.endpoint_url.split("//")[1].split(":")
     with FaultProxy(host, int(port), error_rate=0.0, drop_rate=0.0) as proxy:
@@ -191,7 +240,32 @@ def test_given_credentials_list_and_read_without_s3fs_or_botocore(s3: S3Server, 
 
     code = ("import json, sys, stagingloader as sl\n"
             f"ds = sl.stage('s3://{BUCKET}/ds/s', root={str(root)!r}, storage_options=json.loads(sys.argv[1]))\n"
-            "print(json.dumps([len(ds.files), sl.verify(ds).ok, 's3fs' in sys.modules, 'botocore' in sys.modules]))\n")
+            "print(json.dumps([len(ds.files), sl.verify(ds).ok, 's3fs' in sys.modules, 'botocore' in sys.modules,\n"
+            "                  'fsspec' in sys.modules]))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSSPEC")} | {"HOME": str(root)}  # no config
     out = subprocess.run([sys.executable, "-c", code, json.dumps(s3.storage_options())], capture_output=True,
-                         text=True, check=True, cwd=Path(__file__).resolve().parents[2])
-    assert json.loads(out.stdout) == [len(SMALL), True, False, False]
+                         text=True, check=True, cwd=Path(__file__).resolve().parents[2], env=env)
+    assert json.loads(out.stdout) == [len(SMALL), True, False, False, False]
+
+
+@pytest.mark.parametrize("where", ["folder", "environment", "none"])
+def test_fsspecs_config_is_read_where_there_is_one_and_fsspec_not_imported_where_there_is_none(
+        tmp_path: Path, where: str) -> None:
+    import json
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    (home / ".config" / "fsspec").mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSSPEC")} | {"HOME": str(home)}
+    if where == "folder":
+        (home / ".config" / "fsspec" / "conf.json").write_text(json.dumps({"s3": {"key": "k1", "secret": "s1"}}))
+    elif where == "environment":
+        env["FSSPEC_S3"] = json.dumps({"key": "k1", "secret": "s1"})
+    code = ("import json, sys\nfrom stagingloader.staging.objectio import fsspec_config\n"
+            "print(json.dumps([fsspec_config('s3'), 'fsspec' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
+                         cwd=Path(__file__).resolve().parents[2])
+    conf, imported = json.loads(out.stdout)
+    assert conf == ({} if where == "none" else {"key": "k1", "secret": "s1"})
+    assert imported == (where != "none")
