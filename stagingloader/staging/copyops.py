@@ -25,7 +25,7 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -74,32 +74,9 @@ Buffer = bytes | memoryview
 
 
 class Remote(Protocol):
-    """A remote source's bytes (:class:`~.sources.Source` is one): a whole range, or a range handed to a consumer
-    piece by piece as it arrives (retried: each attempt calls the consumer afresh, which returns the bytes taken)."""
+    """A remote source's bytes (:class:`~.sources.Source` is one)."""
 
     def read_range(self, rel: str, start: int, end: int, etag: str = "") -> Buffer: ...
-
-    def consume_range(self, rel: str, start: int, end: int, etag: str,
-                      consume: Callable[[Iterator[Buffer]], int]) -> None: ...
-
-
-class _Received:
-    """Writes a remote range's pieces at their place in the temp file as they arrive, and hashes them; keeps them
-    (the client's own buffers, no copy) for the file's in-order digest."""
-
-    def __init__(self, fd: int, offset: int) -> None:
-        self.fd, self.offset = fd, offset
-        self.hasher = dg.new_hasher()
-        self.pieces: list[Buffer] = []
-
-    def take(self, pieces: Iterator[Buffer]) -> int:
-        self.hasher, self.pieces, at = dg.new_hasher(), [], self.offset  # a retry starts the range again
-        for piece in pieces:
-            pwrite_all(self.fd, memoryview(piece), at)
-            self.hasher.update(piece)
-            self.pieces.append(piece)
-            at += len(piece)
-        return at - self.offset
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -361,8 +338,8 @@ class Worker:
                    chain: bool = False) -> tuple[str, str, list[Buffer]]:
         """Copy ``length`` bytes at ``offset`` of a large file into its temp file; return the range's digest (for
         the ``.ranges`` journal), with ``chain`` the whole file's digest when this was its last range, and a remote
-        range's bytes as they arrived (the client's buffers, for the stager's in-order digest; none for a local
-        one, whose pages the stager maps).
+        range's bytes (the client's buffer, no copy: the stager hashes the file in order from it; none for a local
+        range, whose pages the stager maps when it must).
 
         ``chain`` says this worker copies the file's ranges in order (the stager decides, see
         :class:`~.largefiles.LargeFile`): it then also feeds each range into the file's running digest, kept here
@@ -373,15 +350,16 @@ class Worker:
         fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             running = self._chained(tmp, offset) if chain else None
-            if self.remote is not None:  # written piece by piece as it arrives: no buffer the size of the range
-                got = _Received(fd, offset)
-                self.remote.consume_range(f.rel, offset, offset + length, f.etag, got.take)
+            if self.remote is not None:
+                data = memoryview(self.remote.read_range(f.rel, offset, offset + length, f.etag))
+                if len(data) != length:
+                    raise SourceChangedError(f"{path}: a range came back with {len(data)} "
+                                             f"bytes, not {length}; stage again once the source is stable")
+                pwrite_all(fd, data, offset)
                 self._start_writeback(fd, offset, length)
                 if running is not None:
-                    for piece in got.pieces:
-                        running.update(piece)
-                return (dg.format_digest(got.hasher), self._chain_end(tmp, running, offset + length, f.size),
-                        got.pieces)
+                    running.update(data)
+                return dg.digest_bytes(data), self._chain_end(tmp, running, offset + length, f.size), [data]
 
             def attempt() -> int:
                 src, _ = stable.open_listed(path, f)

@@ -8,10 +8,13 @@ it sends the file's xxh3-128 digest, the one the manifest records.  The stager's
 When the ranges cannot all come from one worker in order (another worker helps with the last file, the stager
 copied the first ranges while the workers started, ranges of an interrupted run are reused, or a remote source's
 threads copy them in any order), the chain is *broken*: the stager then hashes the file itself, in order, as the
-ranges before them finish.  A remote range comes back with the pieces it arrived in (the client's buffers), and
-up to :data:`HELD_RANGES` of them per file wait in memory for their turn, which costs a quarter of hashing them
-again from a mapping of the written pages (page faults, and a cold read); any other range is hashed from a
-read-only mapping of the temp file.
+ranges before them finish.  A remote range comes back with its bytes (the client's buffer), and up to
+:data:`HELD_RANGES` of them per file that finished ahead of their turn wait in memory for it: hashing them there
+costs a quarter of hashing them again from a mapping of the written pages (page faults, and a cold read).  Any
+other range is hashed from a read-only mapping of the temp file.
+
+(obstore can also stream a range in pieces, but it hands each piece over as a new Python ``bytes``: two more
+copies of every byte, into fresh pages, which cost more CPU here than the one buffer per range.)
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from .sources import SourceFile
 log = logging.getLogger(__name__)
 
 #: remote ranges per file whose bytes wait in memory for the in-order digest (the rest are read back from the file)
-HELD_RANGES = 8
+HELD_RANGES = 4
 _NOBODY, _BROKEN = object(), object()  #: no range handed out yet; ranges handed to several (see hand_out)
 
 

@@ -25,7 +25,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -54,9 +54,6 @@ _CLIENT_MAPPED = frozenset({"region_name", "endpoint_url", "verify", "use_ssl", 
                             "aws_secret_access_key", "aws_session_token"})
 #: the reads obstore makes inside one call before the caller's retry policy takes over
 _INNER_RETRIES = 2
-#: the pieces a streamed range arrives in: small enough that the allocator reuses their memory, large enough that
-#: the Python around each (a write, a digest update) costs little
-STREAM_CHUNK = 256 << 10
 _DNS_LABEL = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 
 
@@ -282,30 +279,6 @@ class ObstoreReader:
             raise known from e
 
     def read(self, path: str, start: int, end: int, etag: str) -> Buffer:
-        tag = etag.partition("@")[0]
-        try:
-            return memoryview(self._get(path, start, end, etag).bytes())
-        except Exception as e:
-            known = translate(e, path, tag)
-            if known is e:
-                raise
-            raise known from e
-
-    def chunks(self, path: str, start: int, end: int, etag: str) -> Iterator[Buffer]:
-        """Bytes ``[start, end)`` as they arrive, in pieces of at least ``STREAM_CHUNK`` bytes (the last one may be
-        shorter): no buffer as large as the range is made and filled (a copy, and fresh pages, per range)."""
-        tag = etag.partition("@")[0]
-        try:
-            for piece in self._get(path, start, end, etag).stream(min_chunk_size=STREAM_CHUNK):
-                yield memoryview(piece)
-        except Exception as e:
-            known = translate(e, path, tag)
-            if known is e:
-                raise
-            raise known from e
-
-    def _get(self, path: str, start: int, end: int, etag: str) -> Any:
-        """The answer to a ranged GET of the version ``etag`` names (``If-Match``; its ETag checked too)."""
         import obstore
 
         bucket, _, key = path.partition("/")
@@ -315,10 +288,16 @@ class ObstoreReader:
             options["if_match"] = f'"{tag}"'
         if version:
             options["version"] = version
-        result = obstore.get(self.store(bucket), key, options=options)  # type: ignore[arg-type]
-        if tag and str(result.meta.get("e_tag") or tag).strip('"') != tag:
-            raise _changed(path, tag)
-        return result
+        try:
+            result = obstore.get(self.store(bucket), key, options=options)  # type: ignore[arg-type]
+            if tag and str(result.meta.get("e_tag") or tag).strip('"') != tag:
+                raise _changed(path, tag)
+            return memoryview(result.bytes())
+        except Exception as e:
+            known = translate(e, path, tag)
+            if known is e:
+                raise
+            raise known from e
 
 
 def _info(name: str, meta: Mapping[str, Any]) -> dict[str, Any]:

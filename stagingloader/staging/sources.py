@@ -12,7 +12,7 @@ import fnmatch
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -249,22 +249,6 @@ class Source:
             raise SourceError(f"{path}: expected {end - start} bytes at offset {start}, got {len(data)}; "
                               "the object changed while it was read, stage again")
         return data
-
-    def consume_range(self, rel: str, start: int, end: int, etag: str,
-                      consume: Callable[[Iterator[Buffer]], int]) -> None:
-        """Hand bytes ``[start, end)`` of a remote file to ``consume`` as they arrive (pieces, in order), retried
-        as :meth:`read_range` is: each attempt calls ``consume`` afresh, which returns how many bytes it took.
-
-        Only the obstore reader streams; any other hands the whole range over as one piece."""
-        path = self.path_of(rel)
-        reader = self.object_reader() if self.protocol in ("s3", "s3a") else None
-        if not isinstance(reader, ObstoreReader):
-            took = consume(iter([self.read_range(rel, start, end, etag)] if start < end else []))
-        else:
-            took = call_with_retry(lambda: consume(reader.chunks(path, start, end, etag)), path, self.retry)
-        if took != end - start:
-            raise SourceError(f"{path}: expected {end - start} bytes at offset {start}, got {took}; "
-                              "the object changed while it was read, stage again")
 
     def object_reader(self) -> RangeReader:
         """The client for an object store's bytes, chosen once (obstore where the options map to it, else s3fs)."""
