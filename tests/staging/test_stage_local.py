@@ -233,3 +233,46 @@ def test_a_copy_staged_by_someone_else_is_used_read_only() -> None:
         assert out.returncode == 6 and "differs from" in out.stderr and "Traceback" not in out.stderr
     finally:
         shutil.rmtree(site)
+
+
+@pytest.mark.parametrize("rewrites", [1, 99])
+def test_a_file_rewritten_while_the_source_manifest_hashes_it_is_hashed_again_or_refused(
+        tmp_path: Path, rewrites: int) -> None:
+    """The manifest records the digest of one state of each file: a file rewritten in place while it is read
+    (same size) is read again; one that never holds still is refused by name. Never a digest of both halves."""
+    from stagingloader import digest as dg
+
+    size = 3 * dg.CHUNK + 5  # read in four pieces
+    src = make_tree(tmp_path / "src", {"a.bin": 1000, "big.bin": size})
+    big = src / "big.bin"
+    versions = [big.read_bytes()]
+
+    class Rewrite:
+        """The progress callback: after the first piece of big.bin, it rewrites the file (up to ``rewrites``
+        times)."""
+
+        def __init__(self) -> None:
+            self.done = 0
+            self.total = 0
+
+        def set_size(self, n: int) -> None:
+            self.size = n
+
+        def relative_update(self, n: int) -> None:
+            self.total += n
+            if n == dg.CHUNK and self.done < rewrites:
+                self.done += 1
+                versions.append(bytes([self.done % 251]) * size)
+                with open(big, "r+b") as f:  # in place: the same inode, the same size
+                    f.write(versions[-1])
+
+    progress = Rewrite()
+    if rewrites == 1:
+        _, m = sl.write_manifest(str(src), callback=progress, workers=1)
+        digests = {e.path: e.digest for e in m}
+        assert digests["big.bin"] == dg.digest_bytes(versions[-1]) == dg.digest_bytes(big.read_bytes())
+        assert len(versions) == 2 and progress.total == progress.size, "bytes read twice were counted twice"
+    else:
+        with pytest.raises(sl.SourceChangedError, match=r"big\.bin changed while it was hashed"):
+            sl.write_manifest(str(src), callback=progress, workers=1)
+        assert not (src / ".stagingloader-manifest.json").exists()
