@@ -1,23 +1,14 @@
-"""``stagingloader ckpt ls|verify|drain|restore``: see which steps are complete where; finish a drain by hand.
+"""``stagingloader ckpt ls|verify|drain|restore``: the subcommand's parser.
 
-Kept apart from the main parser: :func:`add_ckpt_parser` hangs the subcommand on it, and the handler
+Kept apart from the main parser: :func:`add_ckpt_parser` hangs the subcommand on it, and the handler (in
+:mod:`.commands`, imported only when ``ckpt`` runs: every other command starts without the checkpoint code)
 returns ``(exit code, JSON-able result)`` like every other command.  Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import time
 from typing import Any
-
-from ..errors import CheckpointNotFoundError, ExitCode, StagingError, UsageError
-from ..units import human_bytes
-from .layout import step_name
-from .restore import ensure_local
-from .settings import read_settings
-from .tiers import FolderTier, Tier, complete_steps, latest_complete, open_tier, verify_step
-from .transfer import TransferPolicy, copy_step
 
 
 def add_ckpt_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -52,130 +43,9 @@ def add_ckpt_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def run_ckpt(args: argparse.Namespace) -> tuple[int, Any]:
-    action = {"ls": _ls, "verify": _verify, "drain": _drain, "restore": _restore}[args.ckpt_action]
-    code, result = action(args)
-    if not args.json:
-        print(result.pop("text"))
-    else:
-        result.pop("text")
-    return code, result
+    from .commands import run_ckpt as run
+
+    return run(args)
 
 
-def _tiers(args: argparse.Namespace, *, need_remote: bool = False) -> tuple[Tier, Tier | None]:
-    """TARGET as a tier, and the remote: --remote, or what the job recorded in TARGET's settings."""
-    target = open_tier(args.target, args.storage_options)
-    remote_url = getattr(args, "remote", None)
-    options = dict(args.storage_options)
-    if remote_url is None and isinstance(target, FolderTier):
-        settings = read_settings(target.url)
-        remote_url = settings.get("remote")
-        options = {**settings.get("storage_options", {}), **options}
-    if need_remote and not remote_url:
-        raise UsageError(f"{args.target} records no remote tier; pass --remote URL")
-    return target, open_tier(remote_url, options) if remote_url else None
-
-
-def _ls(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
-    target, remote = _tiers(args)
-    tiers = {"target": target} | ({"remote": remote} if remote is not None else {})
-    rows: dict[int, dict[str, Any]] = {}
-    for label, tier in tiers.items():
-        done = set(complete_steps(tier))
-        for step in tier.steps():
-            row = rows.setdefault(step, {"step": step, "target": None, "remote": None, "files": 0, "bytes": 0})
-            row[label] = "complete" if step in done else "incomplete"
-            marker = tier.read_marker(step) if step in done else None
-            if marker is not None:
-                row["files"], row["bytes"] = len(marker), marker.total_bytes
-    steps = [rows[s] for s in sorted(rows)]
-    complete = [r["step"] for r in steps if "complete" in (r["target"], r["remote"])]
-    lines = [f"{'step':>12}  {'here':<10}  {'remote':<10}  {'files':>5}  {'size':>10}"]
-    lines += [f"{r['step']:>12}  {r['target'] or '-':<10}  {r['remote'] or '-':<10}  {r['files']:>5}  "
-              f"{human_bytes(r['bytes']):>10}" for r in steps]
-    lines.append(f"latest complete: {complete[-1] if complete else 'none'}  ({target.url}"
-                 + (f" -> {remote.url})" if remote else ")"))
-    return ExitCode.OK, {"target": target.url, "remote": remote.url if remote else None, "steps": steps,
-                         "latest_complete": complete[-1] if complete else None, "text": "\n".join(lines)}
-
-
-def _verify(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
-    tier = open_tier(args.target, args.storage_options)
-    steps = [args.step] if args.step is not None else complete_steps(tier)
-    out: list[dict[str, Any]] = []
-    for step in steps:
-        marker = tier.read_marker(step)
-        if marker is None:
-            out.append({"step": step, "ok": False, "bad": {"(marker)": "missing or corrupt: not a complete step"}})
-            continue
-        bad = verify_step(tier, step, marker)
-        out.append({"step": step, "ok": not bad, "bad": bad, "files": len(marker), "bytes": marker.total_bytes})
-    ok = all(r["ok"] for r in out)
-    lines = [f"{step_name(r['step'])}: " + ("ok" if r["ok"] else "BAD " + ", ".join(f"{k}: {v}" for k, v in
-                                                                                 r["bad"].items())) for r in out]
-    lines.append(f"{len(out)} step(s) verified in {tier.url}: " + ("all ok" if ok else "some are bad"))
-    return (ExitCode.OK if ok else ExitCode.VERIFY_FAILED), {"target": tier.url, "ok": ok, "steps": out,
-                                                             "text": "\n".join(lines)}
-
-
-def _drain(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
-    local, remote = _tiers(args, need_remote=True)
-    assert remote is not None
-    if not isinstance(local, FolderTier):
-        raise UsageError(f"ckpt drain copies from a local folder, not {args.target}")
-    policy = TransferPolicy(workers=max(1, args.workers), deadline=args.deadline)
-    on_remote = set(complete_steps(remote))
-    drained, failed, already = [], {}, []
-    t0 = time.monotonic()
-    for step in complete_steps(local):
-        if step in on_remote:
-            already.append(step)
-            continue
-        marker = local.read_marker(step)
-        assert marker is not None
-        try:
-            copy_step(local, remote, step, marker, policy)
-            drained.append(step)
-        except StagingError as e:
-            failed[step] = str(e)
-    incomplete = sorted(set(local.steps()) - set(complete_steps(local)))
-    released = False
-    if args.release and not failed:
-        for step in local.steps():
-            local.remove(step)
-        released = True
-    lines = [f"drained {drained or 'nothing'} to {remote.url} in {time.monotonic() - t0:.1f}s; "
-             f"already there: {already or 'none'}"]
-    lines += [f"FAILED {step_name(s)}: {e}" for s, e in failed.items()]
-    if incomplete:
-        lines.append(f"never completed locally (not checkpoints, not drained): {incomplete}")
-    if args.release:
-        lines.append(f"released {local.url}" if released else f"NOT released {local.url}: some steps failed")
-    return (ExitCode.SOURCE if failed else ExitCode.OK), {
-        "local": local.url, "remote": remote.url, "drained": drained, "already": already,
-        "failed": {str(k): v for k, v in failed.items()}, "incomplete": incomplete, "released": released,
-        "text": "\n".join(lines)}
-
-
-def _restore(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
-    if args.local is not None:
-        local = FolderTier(args.local)
-        remote: Tier | None = open_tier(args.target, args.storage_options)
-    else:
-        target, remote = _tiers(args)
-        if not isinstance(target, FolderTier):
-            raise UsageError(f"restore {args.target} needs --local DIR: where to put the checkpoint")
-        local = target
-    local.root.mkdir(parents=True, exist_ok=True)
-    step = args.step
-    if step is None:
-        found = [s for s in (latest_complete(local), latest_complete(remote) if remote else None) if s is not None]
-        if not found:
-            raise CheckpointNotFoundError(f"no complete checkpoint in {args.target}")
-        step = max(found)
-    t0 = time.monotonic()
-    marker = ensure_local(local, remote, step, TransferPolicy())
-    seconds = time.monotonic() - t0
-    text = (f"{step_name(step)} verified in {local.url} ({len(marker)} files, {human_bytes(marker.total_bytes)}, "
-            f"{seconds:.1f}s)")
-    return ExitCode.OK, {"step": step, "local": os.fspath(local.url), "files": len(marker),
-                         "bytes": marker.total_bytes, "seconds": round(seconds, 3), "text": text}
+__all__ = ["add_ckpt_parser", "run_ckpt"]
