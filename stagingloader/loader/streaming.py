@@ -20,8 +20,10 @@ names its own ``urgent`` file after its pid.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import multiprocessing.util
 import os
 import stat
 import time
@@ -41,6 +43,27 @@ NO_STATE_S = 60.0  #: a stream folder without state.json for this long while a r
 WARN_EVERY_S = 60.0  #: a reader waiting on one file this long says so in the log, then again as often
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 MISSING = (errno.ENOENT, errno.ENOTDIR)
+
+
+#: (pid, stream folder) whose reader files this process removes at exit (one registration each)
+_CLEANUP_REGISTERED: set[tuple[int, Path]] = set()
+
+
+def _remove_reader_files(reader: StreamReader, name: str, pid: int) -> None:
+    """At a reader process's exit (a DataLoader worker's, which no one else cleans up after): remove its files
+    from the stream folder, so the stager forgets it, or from the published version's, where the rename took them;
+    each epoch's workers would otherwise leave theirs behind.  Only in the process that registered it (a child
+    forked without multiprocessing inherits the registration)."""
+    if os.getpid() != pid:
+        return
+    version = reader.version
+    if version is None:
+        with contextlib.suppress(OSError):
+            version = os.readlink(reader.ddir / "current")  # published since this process last looked
+    folders = [reader.sdir] + ([reader.ddir / version / "stream"] if version and "/" not in version else [])
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            stream.remove_reader(folder, name)
 
 
 def rank_now() -> int:
@@ -88,6 +111,10 @@ class StreamReader:
         pid = os.getpid()
         if self._reader is None or self._reader[0] != pid:
             self._reader = (pid, stream.reader_id(rank_now(), pid))
+            if (pid, self.sdir) not in _CLEANUP_REGISTERED:  # a DataLoader worker leaves no urgent file behind
+                _CLEANUP_REGISTERED.add((pid, self.sdir))
+                multiprocessing.util.Finalize(None, _remove_reader_files, args=(self, self._reader[1], pid),
+                                              exitpriority=0)
         return self._reader[1]
 
     def root(self) -> bytes:

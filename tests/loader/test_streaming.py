@@ -261,6 +261,8 @@ def test_workers_read_whole_files_and_report_their_waits(src: Path, tmp_path: Pa
         e = loader.stats.epochs[-1]
         assert e.misses > 0 and e.not_staged_s > 0  # counted in the workers, seen in the main process
         loader.close()
+        # the workers asked for files (misses) and have exited: none left its urgent file for the stager to poll
+        assert [p.name for p in (tmp_path / "ds").rglob("urgent-*")] == []
         sim.wait_published()
 
 
