@@ -73,6 +73,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'stagingloader' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    """The names imported on first use are listed too (tab completion, ``help()``)."""
+    return sorted(set(globals()) | set(__all__))
+
+
 @overload
 def stage(
     src: str | os.PathLike[str],

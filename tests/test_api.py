@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,11 +27,27 @@ def test_exported_names_are_pinned() -> None:
         assert hasattr(sl, name)
 
 
-def test_import_loads_no_torch_dali_or_s3fs() -> None:
-    code = ("import sys, stagingloader; "
-            "print(sorted(m for m in ('torch', 'nvidia.dali', 's3fs', 'botocore') if m in sys.modules))")
+def test_import_loads_no_torch_dali_s3fs_or_numpy_and_lists_every_name() -> None:
+    code = ("import sys, stagingloader, stagingloader.checkpoints as c; "
+            "print(sorted(m for m in ('torch', 'nvidia.dali', 's3fs', 'botocore', 'numpy', 'fsspec') "
+            "if m in sys.modules)); "
+            "print(set(stagingloader.__all__) - set(dir(stagingloader)), set(c.__all__) - set(dir(c)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert out.split("\n")[:2] == ["[]", "set() set()"]
+
+
+def test_the_command_loads_numpy_with_one_blas_thread_and_leaves_the_environment() -> None:
+    """numpy's OpenBLAS would start a spinning thread per core at import; the command needs none of them."""
+    code = ("import os, sys, stagingloader.cli; "
+            "print(len(os.listdir('/proc/self/task')), 'numpy' in sys.modules, "
+            "os.environ.get('OPENBLAS_NUM_THREADS'))")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.split() == ["1", "True", "None"]
+    plain = subprocess.run([sys.executable, "-c", "import os, numpy; print(len(os.listdir('/proc/self/task')))"],
+                           capture_output=True, text=True, check=True, env=env).stdout
+    if (os.cpu_count() or 1) > 1:
+        assert int(plain) > 1, "numpy alone starts no BLAS thread here: the test above proves nothing"
 
 
 def test_exception_tree() -> None:

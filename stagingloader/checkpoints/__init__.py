@@ -25,4 +25,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'stagingloader.checkpoints' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    """The names imported on first use are listed too (tab completion, ``help()``)."""
+    return sorted(set(globals()) | set(__all__))
+
+
 __all__ = ["Checkpoints", "TransferPolicy"]
