@@ -20,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 
 from ..errors import CacheError, LockTimeoutError
+from . import trust
 from .layout import current_user
 
 log = logging.getLogger(__name__)
@@ -67,13 +68,6 @@ def _write_info(info_path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _is_folder(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return False
-
-
 class DatasetLock:
     """An exclusive lock on a dataset folder; use as a context manager."""
 
@@ -107,7 +101,8 @@ class DatasetLock:
             except FileExistsError:
                 # It existed when mkdir tried, and was gone when mkdir looked again: gc, holding the lock, moved it
                 # away in between. Or it is not a folder at all, which no number of tries mends.
-                if os.path.lexists(self.lock_file.parent) and not _is_folder(self.lock_file.parent):
+                st = trust.lstat(self.lock_file.parent)
+                if st is not None and not stat.S_ISDIR(st.st_mode):
                     raise CacheError(f"{self.lock_file.parent} is not a folder, so it cannot hold a staged dataset; "
                                      f"remove it (rm {self.lock_file.parent}) and stage again") from None
                 vanished += 1

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..cache.layout import DatasetDir
 from ..errors import StagerFailedError
 from ..staging import stream
 from .context import current
@@ -56,14 +57,13 @@ def _remove_reader_files(reader: StreamReader, name: str, pid: int) -> None:
     forked without multiprocessing inherits the registration)."""
     if os.getpid() != pid:
         return
-    version = reader.version
-    if version is None:
-        with contextlib.suppress(OSError):
-            version = os.readlink(reader.ddir / "current")  # published since this process last looked
-    folders = [reader.sdir] + ([reader.ddir / version / "stream"] if version and "/" not in version else [])
-    for folder in folders:
-        with contextlib.suppress(OSError):
-            stream.remove_reader(folder, name)
+    with contextlib.suppress(OSError):
+        stream.remove_reader(reader.sdir, name)
+    ddir = DatasetDir(reader.ddir)
+    with contextlib.suppress(OSError):  # the version this process saw, or the one published since (a checked link)
+        for version in set(ddir.versions()) & {reader.version, ddir.current()}:
+            with contextlib.suppress(OSError):
+                stream.remove_reader(ddir.version_dir(version) / "stream", name)
 
 
 def rank_now() -> int:

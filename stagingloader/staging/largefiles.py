@@ -144,7 +144,7 @@ class LargeFile:
         self.finished_ranges[offset] = length
         if file_digest:
             self.chain_digest = file_digest
-        if pieces and not self.chained and offset >= self.hashed and (
+        if pieces and not self.chained and (
                 len(self.held) < HELD_RANGES or offset == self.next_offset):  # the next in order: hashed at once
             self.held[offset] = list(pieces)
 
