@@ -1,6 +1,6 @@
 """Bytes read from the source over shuffled epochs when the dataset is larger than the cache (issue 12).
 
-Replays the reads of ``--epochs`` epochs through ``stagingloader.staging.eviction.simulate`` with the
+Replays the reads of ``--epochs`` epochs through ``stagingloader.streaming.eviction.simulate`` with the
 cache at 10, 25, 50 and 75 % of the dataset::
 
     python benchmarks/bench_eviction.py [--files 20000] [--epochs 3] [--window 256] [--out FILE.json]
@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from _bench import dump_json, markdown_table  # noqa: E402
 
-from stagingloader.staging.eviction import simulate  # noqa: E402
+from stagingloader.streaming.eviction import simulate  # noqa: E402
 
 POLICIES = ("next-use", "this-epoch", "belady", "lru")
 

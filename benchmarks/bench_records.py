@@ -128,7 +128,7 @@ t0 = time.perf_counter()
 from stagingloader.cache.layout import DatasetDir
 from stagingloader.cache.manifest import Manifest
 from stagingloader.staging.copyplan import make_plan
-from stagingloader.staging import scanning
+from stagingloader.sources import scanning
 from stagingloader.staging.verify import check_fast
 t["import_s"] = time.perf_counter() - t0
 src, ddir = sys.argv[1], Path(sys.argv[2])
@@ -168,8 +168,8 @@ n, tmp = int(sys.argv[1]), Path(sys.argv[2])
 from stagingloader.cache.columns import StrColumn
 from stagingloader.cache.manifest import Entry, Manifest
 from stagingloader.staging.copyplan import make_plan
-from stagingloader.staging.incoming import Incoming
-from stagingloader.staging.listing import Listing
+from stagingloader.engine.incoming import Incoming
+from stagingloader.sources.listing import Listing
 from stagingloader.staging import stager
 def rss(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 t = {"rss_start_mib": rss()}

@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-wait", action="store_true", help="do not wait for the machine to go idle first")
     ap.add_argument("--as-user", metavar="NAME",
                     help="run every method as this user (run as root: runuser), as a user stages; as root, "
-                         "stagingloader opens each source file through O_PATH first (see staging/stable.py)")
+                         "stagingloader opens each source file through O_PATH first (see sources/stable.py)")
     ap.add_argument("--from-json", metavar="PATH", help="measure nothing: print the tables of a results file")
     ap.add_argument("--scaling", action="store_true",
                     help="only stage each dataset into tmpfs with 1 and 2 worker processes (files/s, GB/s, CPU of "

@@ -53,7 +53,7 @@ _KILL_CHILD = r"""
 import os, shutil, signal, sys
 import stagingloader as sl
 from stagingloader.cache import housekeeping, layout, manifest
-from stagingloader.staging import copier, incoming
+from stagingloader.engine import copier, incoming
 step, nth, src, root = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 calls = [0]
 def killing(real):

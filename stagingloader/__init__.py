@@ -196,7 +196,7 @@ def stage(
     if cache_limit is not None and wait:
         raise UsageError("cache_limit needs wait=False: a dataset kept under a limit is only ever streamed")
     if not wait and not opts.dry_run:
-        from .staging.streaming import stage_streaming
+        from .streaming.handle import stage_streaming
         from .units import parse_bytes
 
         try:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..cache.tiers import GDS_FS, meminfo, mount_of
 from ..units import human_bytes
-from .streaming import advise
+from .streamchoice import advise
 
 RESERVE = 0.9  #: plan to use at most 90 % of what a tier measured
 
@@ -169,7 +169,7 @@ def gather(src: str, *, samples_per_s: float, gpus: int = 1, epochs: int = 1, jo
     """List the source and probe it and the candidate tiers (reusing this node's recent probes)."""
     from ..cache.capacity import auto_candidates
     from ..cache.layout import current_user
-    from ..staging.sources import Source
+    from ..sources.source import Source
     from . import probe as pr
 
     source = Source(src, storage_options)

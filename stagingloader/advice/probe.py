@@ -185,7 +185,7 @@ def _small_files(folder: Path, size: int, seconds: float,
 
 def probe_source(url: str, seconds: float = 30.0, storage_options: dict[str, Any] | None = None) -> ProbeResult:
     """Read-only probe of a dataset's source: bandwidth, file rate, GET latency at concurrency 1..64."""
-    from ..staging.sources import Source
+    from ..sources.source import Source
 
     source = Source(url, storage_options)
     files = source.listing()

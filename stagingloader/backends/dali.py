@@ -218,9 +218,9 @@ def _refuse_cache_limit(dataset: Any) -> None:
     reader = getattr(dataset, "stream", None)
     if reader is None:
         return
-    from ..staging import stream
+    from ..streaming import protocol
 
-    state = stream.find_state(reader.ddir, reader.version)
+    state = protocol.find_state(reader.ddir, reader.version)
     if state is not None and state.cache_limit:
         raise UsageError(f"backend='dali' cannot read {reader.name} while it streams under a cache limit: DALI's "
                          "readers take an epoch's files at once, and such a stage is never complete; use "

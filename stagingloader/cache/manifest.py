@@ -390,7 +390,7 @@ class _NotLike(Exception):
 
 
 class LikeColumns(Protocol):
-    """What a manifest may share with the listing it is compared with (a :class:`~..staging.listing.Listing`)."""
+    """What a manifest may share with the listing it is compared with (a :class:`~..sources.listing.Listing`)."""
 
     path: StrColumn
     size: Int64Array

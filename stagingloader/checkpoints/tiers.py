@@ -24,7 +24,7 @@ from ..cache.manifest import Manifest
 from ..cache.tiers import mount_of
 from ..errors import ManifestError, MissingDependencyError, UsageError
 from ..fsio import atomic_write, fsync_dir
-from ..staging.retry import redact
+from ..retry import redact
 from .layout import MARKER, TMP_PREFIX, parse_step, step_name
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from .. import digest as dg
 from ..cache.manifest import Manifest
 from ..errors import CheckpointCorruptError, DrainError, StagingError, UsageError
-from ..staging.retry import is_permanent
+from ..retry import is_permanent
 from .drain import lower_priority
 from .layout import MARKER, step_name
 from .tiers import CHUNK, Tier, hash_file_on

@@ -12,8 +12,8 @@ from typing import Any
 from ..cache import housekeeping, leases
 from ..cache.layout import DatasetDir, dataset_key
 from ..errors import ExitCode, UsageError
+from ..sources.source import Source
 from ..staging.result import StagedDataset
-from ..staging.sources import Source
 from ..staging.stager import StageOptions, StagePlan, run_stage
 from ..units import human_bytes
 from .progress import make_progress
@@ -53,7 +53,7 @@ def cmd_stage(args: argparse.Namespace) -> Result:
 
 
 def _stage_no_wait(args: argparse.Namespace, opts: StageOptions) -> Result:
-    from ..staging.streaming import stage_streaming
+    from ..streaming.handle import stage_streaming
 
     say = (lambda text: None) if args.quiet or args.json else (lambda text: print(text, flush=True))
     # the stager lives on after we return; its lease is our caller's (the job script), a named or a Slurm job's
@@ -166,7 +166,7 @@ def cmd_ls(args: argparse.Namespace) -> Result:
 
 def _stream_state(ddir: Path) -> str:
     """A streaming run's state, in words, for ``ls`` ('' if none streams there)."""
-    from ..staging.stream import COPYING, read_state, stream_dir
+    from ..streaming.protocol import COPYING, read_state, stream_dir
 
     s = read_state(stream_dir(ddir))
     if s is None or s.state != COPYING:

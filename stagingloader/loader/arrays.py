@@ -27,7 +27,7 @@ from .context import current
 from .filetable import FileTable
 from .listing import list_files
 from .stats import READ_BYTES, READ_S
-from .streaming import StreamReader
+from .streamreader import StreamReader
 
 _Files = StagedDataset | str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 

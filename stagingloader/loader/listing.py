@@ -16,9 +16,9 @@ import numpy as np
 
 from ..cache.layout import DatasetDir, find_dataset_dir
 from ..errors import DatasetNotFoundError, ManifestError, StagerFailedError
-from ..staging import stream
 from ..staging.result import StagedDataset
-from .streaming import StreamReader, stream_at, stream_of
+from ..streaming import protocol
+from .streamreader import StreamReader, stream_at, stream_of
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,8 @@ def _streaming(reader: StreamReader) -> Listing:
     try:
         files = reader.files()
     except StagerFailedError:
-        state = stream.find_state(reader.ddir, reader.version)
-        if state is None or state.state != stream.COMPLETE or not state.version:
+        state = protocol.find_state(reader.ddir, reader.version)
+        if state is None or state.state != protocol.COMPLETE or not state.version:
             raise
         return _version(DatasetDir(reader.ddir), state.version)
     return Listing(Path(os.fsdecode(reader.root())), list(files.rels), list(files.sizes), reader)

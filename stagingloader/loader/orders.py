@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-from ..staging import stream
+from ..streaming import protocol
 from .epoch import RandomSampler, chunks_of, draw
 
 log = logging.getLogger("stagingloader.loader")
@@ -133,8 +133,8 @@ class OrderPublisher:
         if nxt is not None:
             rows = np.concatenate([rows, merge_runs(np.asarray(ds.stream_rows(nxt), dtype=np.int64))[0]])
         try:
-            stream.write_order(reader.sdir, reader.reader, rows)
-            stream.write_position(reader.sdir, reader.reader, 0)
+            protocol.write_order(reader.sdir, reader.reader, rows)
+            protocol.write_position(reader.sdir, reader.reader, 0)
         except FileNotFoundError:  # the stream folder went with incoming: published
             self.close()
             return None
@@ -174,7 +174,7 @@ class OrderPublisher:
             rows = max(0, int(np.searchsorted(self._run_starts, self._consumed, side="right")) - 1)
             sdir, name = self._written
         try:
-            stream.write_position(sdir, name, rows)
+            protocol.write_position(sdir, name, rows)
         except FileNotFoundError:  # published: nothing to tell any more
             self.close()
         except PermissionError:
@@ -195,8 +195,8 @@ class OrderPublisher:
         if self._written is not None:
             sdir, name = self._written
             self._written = None
-            stream.remove_reader(sdir, name)
+            protocol.remove_reader(sdir, name)
             reader = self.dataset.stream if self.dataset.stream is not None else self._last
             if reader is not None and reader.version:
-                stream.remove_reader(reader.ddir / reader.version / "stream", name)
+                protocol.remove_reader(reader.ddir / reader.version / "stream", name)
 

@@ -22,9 +22,9 @@ from ..cache.capacity import tier_of
 from ..cache.layout import DatasetDir, dataset_key
 from ..cache.locking import DatasetLock
 from ..errors import NoSpaceError, StagingError, UsageError
+from ..sources.source import Source
 from ..staging.result import StagedDataset
 from ..staging.sharding import take_shard
-from ..staging.sources import Source
 from ..staging.stager import StageOptions, StagePlan, run_stage
 
 
@@ -43,7 +43,7 @@ def _stage(op: dict[str, Any]) -> dict[str, Any]:
                         lock_timeout=op.get("lock_timeout"), max_ram_fraction=fraction)
     try:
         if op.get("wait", True) is False:  # wait=no: a detached streaming stager under the job's lease; it stops
-            from ..staging.streaming import stage_streaming  # when the epilog drops that lease
+            from ..streaming.handle import stage_streaming  # when the epilog drops that lease
 
             ds: StagedDataset | StagePlan = stage_streaming(op["src"], opts, env={})
         else:

@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from ..cache.columns import Int64Array, RowArray, join
 from ..cache.manifest import Entry, Manifest
-from .listing import Listing, SourceFile
+from ..sources.listing import Listing, SourceFile
 
 #: Why a file is copied.
 NEW, CHANGED, MISSING, CORRUPT = "new", "changed", "missing", "corrupt"

@@ -12,7 +12,7 @@ from ..cache.layout import DatasetDir
 from ..cache.manifest import Manifest
 
 if TYPE_CHECKING:
-    from .streaming import StreamHandle, StreamProgress
+    from ..streaming.handle import StreamHandle, StreamProgress
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class StagedDataset:
 
     From ``stage(..., wait=False)`` while the copy goes on, ``streaming`` is True: ``root`` does not exist yet
     (the version is published when complete), ``manifest`` lists paths and sizes without digests, files are
-    read through ``StagedFiles(ds)`` (or :func:`stagingloader.staging.stream.resolve`), and :meth:`wait`
+    read through ``StagedFiles(ds)`` (or :func:`stagingloader.streaming.protocol.resolve`), and :meth:`wait`
     returns the finished dataset.  :meth:`release` (or leaving the ``with`` block) also stops the stager.
     """
 
@@ -108,7 +108,7 @@ class StagedDataset:
         """How far the stage is (files and bytes done, state, error); a finished stage is complete."""
         if self.stream is not None:
             return self.stream.progress()
-        from .streaming import StreamProgress
+        from ..streaming.handle import StreamProgress
 
         n, b = len(self.manifest), self.manifest.total_bytes
         return StreamProgress(n, n, b, b, "complete")

@@ -15,7 +15,7 @@ from typing import TypeVar, cast
 
 from ..cache.columns import encode
 from ..errors import UsageError
-from .listing import Listing
+from ..sources.listing import Listing
 
 T = TypeVar("T")
 

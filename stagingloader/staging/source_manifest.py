@@ -10,9 +10,9 @@ from typing import Any
 from .. import digest as dg
 from ..cache.manifest import Entry, Manifest
 from ..errors import SourceChangedError
-from . import stable
-from .retry import as_source_error
-from .sources import Source, SourceFile
+from ..retry import as_source_error
+from ..sources import stable
+from ..sources.source import Source, SourceFile
 
 RANGE = 8 << 20
 

@@ -32,17 +32,17 @@ from ..cache.layout import DatasetDir, current_user, dataset_key, safe_join
 from ..cache.locking import DatasetLock
 from ..cache.manifest import Entry, Manifest
 from ..cache.registry import remember_root
+from ..engine.copier import Copier, CopySettings, Progress, as_root_error, usable_cores
+from ..engine.feed import Direct
+from ..engine.incoming import Incoming
 from ..errors import CacheError, InternalError, ManifestError, NoSpaceError, RootError, UsageError
+from ..sources.listing import Listing
+from ..sources.scanning import BackgroundScan
+from ..sources.source import Source
 from ..units import human_bytes
-from .copier import Copier, CopySettings, Progress, as_root_error, usable_cores
 from .copyplan import CORRUPT, CopyPlan, make_plan
-from .feed import Direct
-from .incoming import Incoming
-from .listing import Listing
 from .result import StagedDataset, StageReport
-from .scanning import BackgroundScan
 from .sharding import take_shard
-from .sources import Source
 from .verify import check_fast, check_full
 
 log = logging.getLogger(__name__)

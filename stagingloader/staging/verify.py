@@ -18,10 +18,10 @@ from ..cache.columns import StrColumn, join
 from ..cache.layout import DatasetDir, find_dataset_dir
 from ..cache.manifest import Manifest
 from ..errors import ManifestError
+from ..sources.listing import Listing, scan_staged
+from ..sources.scanning import default_workers, in_parts, scan_staged_tree
 from .copyplan import CORRUPT, MISSING
-from .listing import Listing, scan_staged
 from .result import StagedDataset, VerifyReport
-from .scanning import default_workers, in_parts, scan_staged_tree
 
 
 def check_fast(data: Path, manifest: Manifest, found: Listing | None = None) -> dict[str, str]:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from stagingloader.advice.plan import Facts, TierFacts, assess
-from stagingloader.advice.streaming import advise
+from stagingloader.advice.streamchoice import advise
 
 GB = 10**9
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from stagingloader.cache.layout import dataset_key
+from stagingloader.sources.source import Source
 from stagingloader.staging.source_manifest import write_source_manifest
-from stagingloader.staging.sources import Source
 from tests.support.slurm import ensure_user
 from tests.support.trees import content, make_tree, tree_digests
 

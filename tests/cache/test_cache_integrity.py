@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import stagingloader as sl
-from stagingloader.staging.incoming import Incoming
+from stagingloader.engine.incoming import Incoming
 from tests.conftest import cli_json, run_cli
 from tests.support.trees import make_tree, tree_digests
 

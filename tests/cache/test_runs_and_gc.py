@@ -131,7 +131,7 @@ def test_gc_never_removes_a_version_a_stager_published_between_its_reads(
 _KILL_AFTER_BATCHES = """
 import os, signal, sys
 import stagingloader as sl
-from stagingloader.staging import copier
+from stagingloader.engine import copier
 real = copier.Copier._complete_batch
 calls = [0]
 def batch(self, *a, **k):

@@ -17,12 +17,12 @@ import torch.utils.data as tud
 import stagingloader as sl
 from stagingloader.errors import StagerFailedError
 from stagingloader.loader.orders import epoch_orders
-from stagingloader.staging import stream
+from stagingloader.streaming import protocol
 from tests.support.streamsim import SimStager, file_id, make_source
 
 
 def _order_file(sim: SimStager, pid: int | None = None) -> np.ndarray:
-    path = sim.sdir / f"order-{stream.reader_id(0, pid)}"
+    path = sim.sdir / f"order-{protocol.reader_id(0, pid)}"
     return np.fromfile(path, dtype="<i8")
 
 
@@ -62,7 +62,7 @@ def test_a_miss_jumps_the_queue(src: Path, tmp_path: Path) -> None:
         reader = threading.Thread(daemon=True, target=lambda: got.append(ds[last]))
         got: list[bytes] = []
         reader.start()
-        urgent = sim.sdir / f"urgent-{stream.reader_id(0)}"
+        urgent = sim.sdir / f"urgent-{protocol.reader_id(0)}"
         # the reader asks before the stager copies anything: wait for its row, not just its file (made empty first,
         # then written: a stager that looked in between would copy another file and wait for the gate again)
         while not urgent.exists() or urgent.stat().st_size < 8:
@@ -86,7 +86,7 @@ def test_an_evicted_file_is_asked_for_again(src: Path, tmp_path: Path) -> None:
         done = threading.Event()
         t = threading.Thread(daemon=True, target=lambda: (ds[5], done.set()))
         t.start()
-        urgent = sim.sdir / f"urgent-{stream.reader_id(0)}"
+        urgent = sim.sdir / f"urgent-{protocol.reader_id(0)}"
         while not urgent.exists() or urgent.stat().st_size < 8:  # its row, not just the file (made empty first)
             t.join(0.01)
         assert not done.is_set() and np.fromfile(urgent, dtype="<i8").tolist() == [5]
@@ -99,12 +99,12 @@ def test_a_failed_or_vanished_stager_raises_naming_the_fix(src: Path, tmp_path: 
     gate = threading.Event()
     with SimStager(src, tmp_path / "ds", gate=gate) as sim:
         ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
-        sim.write_state(stream.FAILED, error="s3://bucket/x: 403 Forbidden")
+        sim.write_state(protocol.FAILED, error="s3://bucket/x: 403 Forbidden")
         with pytest.raises(StagerFailedError, match=r"(?s)failed: s3://bucket/x: 403 Forbidden.*stage it again"):
             ds[3]
         dead = subprocess.Popen(["true"])
         dead.wait()
-        sim.write_state(stream.COPYING, pid=dead.pid, start_time=12345)
+        sim.write_state(protocol.COPYING, pid=dead.pid, start_time=12345)
         with pytest.raises(StagerFailedError, match=r"is gone before it finished.*stage it again"):
             ds[4]
 
@@ -126,7 +126,7 @@ def test_complete_before_the_rename_keeps_reading_incoming(src: Path, tmp_path: 
         ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
         for row in range(len(ds)):
             sim._copy(row)
-        sim.write_state(stream.COMPLETE)  # the stager's last state comes just before it renames incoming
+        sim.write_state(protocol.COMPLETE)  # the stager's last state comes just before it renames incoming
         # complete, but no v1/ yet: a reader that switched now would find nothing; it stays in incoming
         assert ds.refresh() and ds[3] == _expected(src)[3] and ds.streaming
         os.rename(tmp_path / "ds" / "incoming", tmp_path / "ds" / "v1")
@@ -162,7 +162,7 @@ def test_order_file_per_epoch_holds_this_epoch_and_the_next(src: Path, tmp_path:
             predicted = rows[len(ds):].tolist()
             assert len(predicted) == len(ds)
         loader.close()
-        assert not (sim.sdir / f"order-{stream.reader_id(0)}").exists()  # closed: the stager forgets it
+        assert not (sim.sdir / f"order-{protocol.reader_id(0)}").exists()  # closed: the stager forgets it
 
 
 def _rel_of(sim: SimStager, file_number: int) -> str:
@@ -193,7 +193,7 @@ def test_samplers_without_a_known_order_write_none(src: Path, tmp_path: Path) ->
         weights = tud.WeightedRandomSampler(torch.ones(len(ds)), len(ds))
         loader = sl.DataLoader(ds, batch_size=4, sampler=weights)
         batches = [b for b in loader]
-        assert len(batches) == 12 and not (sim.sdir / f"order-{stream.reader_id(0)}").exists()
+        assert len(batches) == 12 and not (sim.sdir / f"order-{protocol.reader_id(0)}").exists()
         # shuffle without a generator: this epoch is known, the next is not (the global RNG decides it)
         loader = sl.DataLoader(ds, batch_size=4, shuffle=True)
         iter(loader)
@@ -313,7 +313,7 @@ def test_auto_backend_takes_torch_while_streaming(src: Path, tmp_path: Path) -> 
         t = threading.Thread(daemon=True, target=lambda: got.append(ready(7)))
         got: list[str] = []
         t.start()
-        urgent = sim.sdir / f"urgent-{stream.reader_id(0)}"
+        urgent = sim.sdir / f"urgent-{protocol.reader_id(0)}"
         while not urgent.exists() or urgent.stat().st_size < 8:  # its row, not just the file: see above
             t.join(0.01)
         assert not got  # GDS would wait for the file too
@@ -331,7 +331,7 @@ def test_the_position_follows_the_loop(src: Path, tmp_path: Path, monkeypatch: p
         ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
         loader = sl.DataLoader(ds, batch_size=5, shuffle=True, num_workers=2,
                                generator=torch.Generator().manual_seed(4))
-        pos = sim.sdir / f"pos-{stream.reader_id(0)}"
+        pos = sim.sdir / f"pos-{protocol.reader_id(0)}"
         it = iter(loader)
         assert np.fromfile(pos, dtype="<i8").tolist() == [0]
         for k in range(1, 4):
@@ -352,7 +352,7 @@ def test_a_position_within_the_interval_is_written_while_the_loop_waits(src: Pat
         ds = sl.StagedFiles(tmp_path / "ds", decode="bytes", labels=False)
         loader = sl.DataLoader(ds, batch_size=5, shuffle=True, num_workers=0,
                                generator=torch.Generator().manual_seed(4))
-        pos = sim.sdir / f"pos-{stream.reader_id(0)}"
+        pos = sim.sdir / f"pos-{protocol.reader_id(0)}"
         it = iter(loader)
         next(it)  # within the interval of the epoch start's write: not written at once
         next(it)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import stagingloader as sl
-from stagingloader.staging import stream
+from stagingloader.streaming import protocol
 from tests.conftest import cli_json
 from tests.support.faultproxy import FaultProxy
 from tests.support.s3server import S3Server, isolated_s3
@@ -64,7 +64,7 @@ def test_training_reads_every_byte_while_the_stage_streams(s3: S3Server, root: P
             loader = sl.DataLoader(files, batch_size=4, shuffle=True, num_workers=2,
                                    generator=torch.Generator().manual_seed(5))
             it = iter(loader)
-            order = np.fromfile(ds.stream_dir / f"order-{stream.reader_id(0)}", dtype="<i8")  # type: ignore[operator]
+            order = np.fromfile(ds.stream_dir / f"order-{protocol.reader_id(0)}", dtype="<i8")  # type: ignore[operator]
             gate.set()
             first = next(it)
             assert ds.progress.files_done <= 20 < len(FILES)  # the first batch came before the stage ended
@@ -85,7 +85,7 @@ def test_training_reads_every_byte_while_the_stage_streams(s3: S3Server, root: P
             again = [bytes(b) for batch in loader for b in batch]  # the published version, nothing waits
             assert sorted(again) == sorted(got) and loader.stats.epochs[-1].misses == 0
             assert not files.refresh()
-            assert not (ds.dataset_dir / ds.version / "stream" / f"order-{stream.reader_id(0)}").exists()
+            assert not (ds.dataset_dir / ds.version / "stream" / f"order-{protocol.reader_id(0)}").exists()
             loader.close()
         finally:
             gate.set()
@@ -112,7 +112,7 @@ def test_resume_mid_epoch_while_the_stage_streams(s3: S3Server, root: Path) -> N
             resumed = make()
             resumed.load_state_dict(state)
             it2 = iter(resumed)
-            order = np.fromfile(ds.stream_dir / f"order-{stream.reader_id(0)}", dtype="<i8")  # type: ignore[operator]
+            order = np.fromfile(ds.stream_dir / f"order-{protocol.reader_id(0)}", dtype="<i8")  # type: ignore[operator]
             gate.set()
             rest = [bytes(b) for batch in it2 for b in batch]
             assert len(order) == len(rest) + len(files)  # what is left of this epoch, then all of the next
@@ -154,6 +154,6 @@ def test_the_folder_printed_by_no_wait_is_read_while_it_streams(s3: S3Server, ro
         assert files.streaming and files.classes == ["c0", "c1", "c2"]
         data, label = files[len(files) - 1]
         assert data == _want(files.relpath(len(files) - 1)) and label == 2
-        stream.find_state(Path(out["dataset_dir"]), out["version"])
+        protocol.find_state(Path(out["dataset_dir"]), out["version"])
         for i in range(len(files)):
             assert files[i][0] == _want(files.relpath(i))

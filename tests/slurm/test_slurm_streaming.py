@@ -11,7 +11,7 @@ import pytest
 
 from stagingloader.cache.layout import DatasetDir
 from stagingloader.slurm.request import parse_comment, parse_spec
-from stagingloader.staging import stream
+from stagingloader.streaming import protocol
 from tests.slurm.test_slurm_hooks import Hooks, hooks  # noqa: F401  (the fixture)
 from tests.support.trees import make_tree, tree_digests
 
@@ -44,14 +44,14 @@ def test_prolog_streams_and_epilog_stops(hooks: Hooks) -> None:  # noqa: F811
     env = hooks.exports(comment, 7)
     assert env["STAGINGLOADER_STATUS"] == "streaming" and "STAGINGLOADER_ROOT" in env
     ddir = DatasetDir(Path(entry["dataset_dir"]))
-    state = stream.find_state(ddir, entry["version"])
+    state = protocol.find_state(ddir, entry["version"])
     assert state is not None and state.files_total == 160
     assert Path(ddir.path / "leases" / "slurm-job-7.json").exists()
     # the job ends now: the epilog drops the lease, and a stager still copying stops by itself (resumable)
     assert hooks.hook("epilog", comment, 7).returncode == 0
     assert not (ddir.path / "leases" / "slurm-job-7.json").exists()
-    _until(lambda: not (stream.find_state(ddir, entry["version"]) or state).alive, "the stager to end")
-    final = stream.find_state(ddir, entry["version"])
+    _until(lambda: not (protocol.find_state(ddir, entry["version"]) or state).alive, "the stager to end")
+    final = protocol.find_state(ddir, entry["version"])
     assert final is not None
     if final.state == "complete":  # it had finished before the job ended: published as any stage
         assert ddir.current() == entry["version"]

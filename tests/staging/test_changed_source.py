@@ -14,7 +14,7 @@ import pytest
 
 import stagingloader as sl
 from stagingloader.errors import SourceChangedError, SourceError
-from stagingloader.staging import sources
+from stagingloader.sources import source
 from tests.support.trees import content, make_tree, tree_digests
 
 SMALL_MIB = 20  # a "small" file (copied whole, under the 32 MiB range threshold) read in several 8 MiB chunks
@@ -102,16 +102,16 @@ def test_a_file_swapped_for_a_link_after_listing_is_refused(tmp_path: Path, root
     src = make_tree(tmp_path / "src", {"a.bin": 100, "victim.bin": size})
     secret = tmp_path / "shadow"
     secret.write_bytes(b"root:SECRET-HASH:19000:0:99999:7:::\n" * (size // 36 + 1))
-    real_listing = sources.Source.listing
+    real_listing = source.Source.listing
 
-    def listing_then_swap(self: sources.Source, *args: Any, **kwargs: Any) -> list[sources.SourceFile]:
+    def listing_then_swap(self: source.Source, *args: Any, **kwargs: Any) -> list[source.SourceFile]:
         out = real_listing(self, *args, **kwargs)
         victim = src / "victim.bin"
         victim.unlink()
         victim.symlink_to(secret)
         return out
 
-    monkeypatch.setattr(sources.Source, "listing", listing_then_swap)
+    monkeypatch.setattr(source.Source, "listing", listing_then_swap)
     with pytest.raises(SourceError, match=r"victim\.bin"):
         sl.stage(str(src), str(root))
     for p in root.rglob("*"):

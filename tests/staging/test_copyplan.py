@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stagingloader.cache.manifest import Entry, Manifest
+from stagingloader.sources.source import SourceFile
 from stagingloader.staging.copyplan import CORRUPT, MISSING, make_plan
-from stagingloader.staging.sources import SourceFile
 
 names = st.sampled_from([f"d{i % 3}/f{i}.bin" for i in range(12)])
 files = st.builds(SourceFile, names, st.integers(0, 1000), st.integers(1, 3), st.sampled_from(["", "e1", "e2"]))

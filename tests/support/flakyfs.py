@@ -29,7 +29,7 @@ class _Flaky:
     def __init__(self, source: str, rules: dict[str, dict[str, Any]], link: dict[str, float] | None = None) -> None:
         import mfusepy
 
-        from .faultproxy import Bandwidth
+        from tests.support.faultproxy import Bandwidth
 
         self.mfusepy = mfusepy
         self.source = source

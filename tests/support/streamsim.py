@@ -1,4 +1,4 @@
-"""A stand-in streaming stager for the loader's tests: it does what the protocol (staging/stream.py) says a stager
+"""A stand-in streaming stager for the loader's tests: it does what the protocol (streaming/protocol.py) says a stager
 does, with real files and nothing else of the stager (no hashing, no manifest, no lock).
 
 It copies a source folder into ``DDIR/incoming/data/`` one file at a time, each written under ``incoming/.partial``
@@ -21,14 +21,14 @@ from pathlib import Path
 import numpy as np
 
 from stagingloader.cache.layout import DatasetDir
-from stagingloader.staging import stream
+from stagingloader.streaming import protocol
 
 
 class SimStager:
     def __init__(self, src: Path, ddir: Path, *, delay: float = 0.0, publish: bool = True,
                  gate: threading.Event | None = None, version: str = "v1", until_asked: bool = False) -> None:
         self.src, self.ddir = Path(src), Path(ddir)
-        self.sdir = stream.stream_dir(self.ddir)
+        self.sdir = protocol.stream_dir(self.ddir)
         self.delay, self.publish, self.gate, self.version = delay, publish, gate, version
         self.until_asked = until_asked  #: copy nothing until a reader asks for a row (so some read must wait)
         self.rels = sorted(str(p.relative_to(self.src)) for p in self.src.rglob("*") if p.is_file())
@@ -48,22 +48,22 @@ class SimStager:
         (self.ddir / "incoming" / "data").mkdir(parents=True, exist_ok=True)
         (self.ddir / "incoming" / ".partial").mkdir(exist_ok=True)
         self.sdir.mkdir(exist_ok=True)
-        stream.StreamFiles(str(self.src), tuple(self.rels), tuple(self.sizes)).write(self.sdir)
-        self.write_state(stream.COPYING)
+        protocol.StreamFiles(str(self.src), tuple(self.rels), tuple(self.sizes)).write(self.sdir)
+        self.write_state(protocol.COPYING)
         self._thread.start()
         return self
 
     def write_state(self, state: str, *, error: str | None = None, pid: int | None = None,
                     start_time: int | None = None, sdir: Path | None = None) -> None:
         pid = os.getpid() if pid is None else pid
-        stream.StreamState(pid=pid, start_time=stream.process_start(pid) if start_time is None else start_time,
+        protocol.StreamState(pid=pid, start_time=protocol.process_start(pid) if start_time is None else start_time,
                            state=state, error=error, files_done=len(self.copied), files_total=len(self.rels),
                            bytes_total=sum(self.sizes), version=self.version).write(sdir or self.sdir)
 
     # ---- the copy loop ---------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            requests = stream.RequestReader(self.sdir, len(self.rels))
+            requests = protocol.RequestReader(self.sdir, len(self.rels))
             done: set[int] = set()
             pending: list[int] = []
             while self.until_asked and not self._stop.is_set():
@@ -89,7 +89,7 @@ class SimStager:
                     self.urgent += [int(r) for r in rows]
                     pending[:0] = [int(r) for r in rows]  # jump the queue
                 if orders:
-                    pending += [int(r) for r in stream.merge_orders(list(self.orders.values()))]
+                    pending += [int(r) for r in protocol.merge_orders(list(self.orders.values()))]
                 row = next((r for r in pending if r not in done), None)
                 if row is None:
                     row = next(r for r in range(len(self.rels)) if r not in done)
@@ -110,10 +110,10 @@ class SimStager:
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.rename(tmp, dest)
         self.copied.append(row)
-        self.write_state(stream.COPYING)
+        self.write_state(protocol.COPYING)
 
     def _publish(self) -> None:
-        self.write_state(stream.COMPLETE)
+        self.write_state(protocol.COMPLETE)
         os.rename(self.ddir / "incoming", self.ddir / self.version)
         DatasetDir(self.ddir).publish(self.version)
         self.published.set()

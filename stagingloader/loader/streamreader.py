@@ -1,7 +1,7 @@
 """Reading a dataset while it stages (issue 12): a sample comes only from a whole, verified file.
 
 The streaming stager renames each file into ``DDIR/incoming/data/`` only when it is whole and verified, and at
-the end publishes ``incoming`` as ``DDIR/<version>`` (:mod:`stagingloader.staging.stream` holds the protocol).
+the end publishes ``incoming`` as ``DDIR/<version>`` (:mod:`stagingloader.streaming.protocol` holds the protocol).
 :class:`StreamReader` is what a dataset reads through while that runs:
 
 * the fast path is one ``open`` (``O_NOFOLLOW``) of the row's file under ``incoming/data``: the cost of reading a
@@ -32,7 +32,7 @@ from typing import Any
 
 from ..cache.layout import DatasetDir
 from ..errors import StagerFailedError
-from ..staging import stream
+from ..streaming import protocol
 from .context import current
 from .stats import MISSES, NOT_STAGED_S
 
@@ -58,12 +58,12 @@ def _remove_reader_files(reader: StreamReader, name: str, pid: int) -> None:
     if os.getpid() != pid:
         return
     with contextlib.suppress(OSError):
-        stream.remove_reader(reader.sdir, name)
+        protocol.remove_reader(reader.sdir, name)
     ddir = DatasetDir(reader.ddir)
     with contextlib.suppress(OSError):  # the version this process saw, or the one published since (a checked link)
         for version in set(ddir.versions()) & {reader.version, ddir.current()}:
             with contextlib.suppress(OSError):
-                stream.remove_reader(ddir.version_dir(version) / "stream", name)
+                protocol.remove_reader(ddir.version_dir(version) / "stream", name)
 
 
 def rank_now() -> int:
@@ -87,7 +87,7 @@ class StreamReader:
 
     def __init__(self, ddir: str | os.PathLike[str], *, name: str, version: str | None = None) -> None:
         self.ddir = Path(ddir)
-        self.sdir = stream.stream_dir(self.ddir)
+        self.sdir = protocol.stream_dir(self.ddir)
         self.name = name
         self.version = version or None
         self.incoming = os.fsencode(self.ddir / "incoming" / "data") + b"/"
@@ -101,16 +101,16 @@ class StreamReader:
         state.update(_reader=None, waited_s=0.0, misses=0)  # a worker counts, and asks, under its own name
         return state
 
-    def files(self) -> stream.StreamFiles:
+    def files(self) -> protocol.StreamFiles:
         """The run's listing (``files.json``): row ``i`` is ``rels[i]``."""
-        return stream.StreamFiles.load(self.sdir)
+        return protocol.StreamFiles.load(self.sdir)
 
     @property
     def reader(self) -> str:
         """This process's reader name, ``r<rank>-<pid>`` (a forked worker gets its own)."""
         pid = os.getpid()
         if self._reader is None or self._reader[0] != pid:
-            self._reader = (pid, stream.reader_id(rank_now(), pid))
+            self._reader = (pid, protocol.reader_id(rank_now(), pid))
             if (pid, self.sdir) not in _CLEANUP_REGISTERED:  # a DataLoader worker leaves no urgent file behind
                 _CLEANUP_REGISTERED.add((pid, self.sdir))
                 multiprocessing.util.Finalize(None, _remove_reader_files, args=(self, self._reader[1], pid),
@@ -183,7 +183,7 @@ class StreamReader:
             if not asked:
                 asked = True
                 try:
-                    stream.append_urgent(self.sdir, self.reader, [row])  # False: published meanwhile (next look)
+                    protocol.append_urgent(self.sdir, self.reader, [row])  # False: published meanwhile (next look)
                 except PermissionError:  # another user's shared copy: wait on its stager's own order
                     log.debug("%s: cannot ask for %s (the stream folder is not ours); waiting", self.name,
                               os.fsdecode(rel))
@@ -214,13 +214,13 @@ class StreamReader:
                     raise
         return None
 
-    def _state(self) -> stream.StreamState | None:
-        return stream.find_state(self.ddir, self.version)
+    def _state(self) -> protocol.StreamState | None:
+        return protocol.find_state(self.ddir, self.version)
 
-    def _published_by(self, state: stream.StreamState | None) -> bool:
+    def _published_by(self, state: protocol.StreamState | None) -> bool:
         """Take the published version when ``state`` says complete and the version's folder is there (the stager
         writes the final state just before it renames ``incoming``: until then, reads stay in ``incoming``)."""
-        if state is None or state.state != stream.COMPLETE or not state.version:
+        if state is None or state.state != protocol.COMPLETE or not state.version:
             return False
         data = self.ddir / state.version / "data"
         try:
@@ -233,7 +233,7 @@ class StreamReader:
         log.debug("%s: the streaming stage is published as %s; reading there", self.name, state.version)
         return True
 
-    def _check(self, state: stream.StreamState | None, t0: float) -> None:
+    def _check(self, state: protocol.StreamState | None, t0: float) -> None:
         """Raise where waiting cannot end: the stager failed or is gone, or never started."""
         if state is None:
             if time.monotonic() - t0 > NO_STATE_S:
@@ -241,7 +241,7 @@ class StreamReader:
                                         f"for {NO_STATE_S:.0f}s); stage the dataset again (stagingloader stage SRC "
                                         "--no-wait, or sl.stage(..., wait=False)) to resume it")
             return
-        if state.state == stream.COMPLETE and time.monotonic() - t0 > NO_STATE_S:
+        if state.state == protocol.COMPLETE and time.monotonic() - t0 > NO_STATE_S:
             raise StagerFailedError(f"{self.name}: its streaming stager reported complete, but {self.ddir} holds no "
                                     f"folder {state.version} after {NO_STATE_S:.0f}s; stage the dataset again "
                                     "(stagingloader stage SRC) to publish it")
@@ -269,8 +269,8 @@ def stream_of(staged: Any) -> StreamReader | None:
 def stream_at(ddir: Path) -> StreamReader | None:
     """A reader over the dataset folder ``ddir`` when a streaming stage of it is under way (``incoming/stream``
     holds its listing), else None: what ``StagedFiles(folder)`` uses for a dataset with no complete version yet."""
-    sdir = stream.stream_dir(ddir)
+    sdir = protocol.stream_dir(ddir)
     if not (sdir / "files.json").is_file():
         return None
-    state = stream.read_state(sdir)
+    state = protocol.read_state(sdir)
     return StreamReader(ddir, name=str(ddir), version=state.version if state is not None else None)

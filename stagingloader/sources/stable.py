@@ -23,8 +23,8 @@ import stat
 from dataclasses import dataclass
 
 from ..errors import SourceChangedError
+from ..retry import as_source_error, is_transient_os_error
 from .files import SourceFile
-from .retry import as_source_error, is_transient_os_error
 
 _AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 READ_TRIES = 3  #: reads of a file that changed while it was read, before it is refused

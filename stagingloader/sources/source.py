@@ -26,9 +26,9 @@ from ..errors import (
     UnsafePathError,
     UsageError,
 )
+from ..retry import RetryPolicy, as_source_error, call_with_retry, redact
 from .listing import Listing, ListingBuilder, SourceFile, scan_local
 from .objectio import Buffer, ObstoreReader, RangeReader, direct_reader, s3_reader
-from .retry import RetryPolicy, as_source_error, call_with_retry, redact
 from .scanning import list_tree
 
 __all__ = ["Listing", "Source", "SourceFile", "selected", "validate_rel"]

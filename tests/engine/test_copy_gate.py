@@ -1,4 +1,4 @@
-"""The gate that decides how many batches of small files copy at once (staging.gate.Gate), on a fake clock."""
+"""The gate that decides how many batches of small files copy at once (engine.gate.Gate), on a fake clock."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 import threading
 from collections.abc import Callable
 
-from stagingloader.staging.gate import Gate
+from stagingloader.engine.gate import Gate
 
 
 class Clock:

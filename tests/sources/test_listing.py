@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 
 from stagingloader.cache.columns import encode
 from stagingloader.cache.manifest import Entry
-from stagingloader.staging import scanning
+from stagingloader.engine.incoming import Incoming
+from stagingloader.sources import scanning
+from stagingloader.sources.listing import Listing, SourceFile, scan_staged
+from stagingloader.sources.source import Source
 from stagingloader.staging.copyplan import make_plan
-from stagingloader.staging.incoming import Incoming
-from stagingloader.staging.listing import Listing, SourceFile, scan_staged
-from stagingloader.staging.sources import Source
 from tests.support.trees import make_tree
 
 # names that sort differently as folders and files ("a" + "/" against "a.b", "a0"), and non-ASCII ones

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, TypeVar
 
+from ..retry import as_source_error
 from .listing import Listing, ListingBuilder, scan_local, scan_staged
-from .retry import as_source_error
 
 T = TypeVar("T")
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..errors import SourceChangedError, SourceError
-from .retry import redact
+from ..retry import redact
 
 log = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 
 import stagingloader as sl
+from stagingloader.engine.copier import Copier, CopySettings
+from stagingloader.engine.feed import Direct, Feed, Wakeup
+from stagingloader.engine.incoming import Incoming, journal_line
 from stagingloader.errors import SourceError
-from stagingloader.staging import sources, stable
-from stagingloader.staging.copier import Copier, CopySettings
-from stagingloader.staging.feed import Direct, Feed, Wakeup
-from stagingloader.staging.incoming import Incoming, journal_line
-from stagingloader.staging.sources import Source, SourceFile
+from stagingloader.sources import source, stable
+from stagingloader.sources.source import Source, SourceFile
 from tests.support.trees import make_tree, tree_digests
 
 
@@ -118,9 +118,9 @@ def test_a_file_swapped_after_listing_is_refused_on_either_open_path(tmp_path: P
     src = make_tree(tmp_path / "src", {"a.bin": 100, "victim.bin": 5000})
     secret = tmp_path / "secret"
     secret.write_bytes(b"SECRET-BYTES" * 500)
-    real_listing = sources.Source.listing
+    real_listing = source.Source.listing
 
-    def listing_then_swap(self: sources.Source, *args: Any, **kwargs: Any) -> Any:
+    def listing_then_swap(self: source.Source, *args: Any, **kwargs: Any) -> Any:
         out = real_listing(self, *args, **kwargs)
         victim = src / "victim.bin"
         victim.unlink()
@@ -130,7 +130,7 @@ def test_a_file_swapped_after_listing_is_refused_on_either_open_path(tmp_path: P
             os.mkfifo(victim)  # opening it for reading must neither hang nor be read
         return out
 
-    monkeypatch.setattr(sources.Source, "listing", listing_then_swap)
+    monkeypatch.setattr(source.Source, "listing", listing_then_swap)
     root = tmp_path / "root"
     with pytest.raises(SourceError, match=r"victim\.bin.*(replaced|no longer)"):
         sl.stage(str(src), str(root))
@@ -164,7 +164,8 @@ def test_temp_folders_a_killed_worker_left_are_swept_and_never_followed(tmp_path
 @pytest.mark.parametrize("tamper", ["none", "truncate", "delete", "too large to scan early"])
 def test_a_restage_scans_the_published_copy_while_it_lists_and_still_finds_damage(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tamper: str) -> None:
-    from stagingloader.staging import scanning, stager
+    from stagingloader.sources import scanning
+    from stagingloader.staging import stager
 
     src = make_tree(tmp_path / "src", {f"d{i % 5}/f{i:03d}.bin": 50 + 131 * i for i in range(120)})
     root = tmp_path / "root"
@@ -202,7 +203,7 @@ def test_a_restage_scans_the_published_copy_while_it_lists_and_still_finds_damag
 
 
 def test_an_early_scan_of_another_version_is_not_used(tmp_path: Path) -> None:
-    from stagingloader.staging.scanning import BackgroundScan
+    from stagingloader.sources.scanning import BackgroundScan
 
     a = make_tree(tmp_path / "a", {"x.bin": 10})
     b = make_tree(tmp_path / "b", {"y.bin": 20})
@@ -216,9 +217,9 @@ def test_an_early_scan_of_another_version_is_not_used(tmp_path: Path) -> None:
 def test_the_quick_small_file_path_falls_back_and_leaves_nothing(tmp_path: Path) -> None:
     """A digest the source manifest does not expect, and a file gone since the listing, take the careful path,
     which says what is wrong; no temp file stays behind either way."""
+    from stagingloader.engine.copyops import Target, Worker
     from stagingloader.errors import SourceChangedError, VerificationError
-    from stagingloader.staging.copyops import Target, Worker
-    from stagingloader.staging.retry import RetryPolicy
+    from stagingloader.retry import RetryPolicy
 
     src = make_tree(tmp_path / "src", {"ok.bin": 3000, "bad.bin": 4000, "gone.bin": 5000})
     listed = {f.rel: f for f in Source(str(src)).listing()}
@@ -238,7 +239,7 @@ def test_the_quick_small_file_path_falls_back_and_leaves_nothing(tmp_path: Path)
 
 
 def test_journal_lines_of_a_batch_read_back_with_or_without_odd_names() -> None:
-    from stagingloader.staging.incoming import journal_lines
+    from stagingloader.engine.incoming import journal_lines
 
     plain = [(f"d/f{i}.bin", i, 10 * i, "", "xxh3_128:" + f"{i:032x}") for i in range(5)]
     odd = [*plain, ('q"uote', 1, 2, "", "xxh3_128:" + "0" * 32), ("e", 3, 4, '"etag"', "xxh3_128:" + "1" * 32)]
@@ -247,8 +248,8 @@ def test_journal_lines_of_a_batch_read_back_with_or_without_odd_names() -> None:
 
 
 def _fsync_worker(tmp_path: Path) -> tuple[Any, Incoming]:
-    from stagingloader.staging.copyops import Target, Worker
-    from stagingloader.staging.retry import RetryPolicy
+    from stagingloader.engine.copyops import Target, Worker
+    from stagingloader.retry import RetryPolicy
 
     incoming = Incoming(tmp_path / "incoming")
     incoming.open()
@@ -258,7 +259,7 @@ def _fsync_worker(tmp_path: Path) -> tuple[Any, Incoming]:
 
 def test_a_batch_on_a_disk_is_made_durable_by_one_syncfs_before_any_rename(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from stagingloader.staging import copyops
+    from stagingloader.engine import copyops
 
     src = make_tree(tmp_path / "src", {f"d{i % 2}/f{i}.bin": 1000 + 4099 * i for i in range(12)})
     listed = list(Source(str(src)).listing())
@@ -306,7 +307,7 @@ def test_a_bad_file_in_a_durable_batch_keeps_the_good_ones_and_names_the_bad(tmp
 @pytest.mark.parametrize("fsync", [True, False])
 def test_a_large_files_ranges_start_their_writeback_when_fsync_is_on(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: bool) -> None:
-    from stagingloader.staging import copyops
+    from stagingloader.engine import copyops
 
     src = make_tree(tmp_path / "src", {"big.bin": (3 << 20) + 777})
     real = copyops._SYNC_FILE_RANGE
@@ -332,7 +333,7 @@ def test_a_large_file_copied_in_order_by_one_worker_is_hashed_there_not_read_aga
     """The worker that gets every range of a file in order sends its digest with the last one, and the stager
     never maps the file; a file whose ranges were shared (the last one, helped with) is hashed by the stager.
     Each "process" here is its own Worker, as a worker process has its own running digests."""
-    from stagingloader.staging.copyops import Worker
+    from stagingloader.engine.copyops import Worker
 
     kib = 64 << 10
     sizes = {"a.bin": 4 * kib + 1, "b.bin": 4 * kib, "c.bin": 6 * kib + 7}
@@ -366,8 +367,8 @@ def test_a_retried_range_feeds_the_running_digest_once(tmp_path: Path, monkeypat
     import errno
 
     from stagingloader import digest as dg
-    from stagingloader.staging import copyops
-    from stagingloader.staging.retry import RetryPolicy
+    from stagingloader.engine import copyops
+    from stagingloader.retry import RetryPolicy
 
     mib = 1 << 20
     size = 5 * mib + 123
@@ -491,7 +492,7 @@ def test_a_remote_files_ranges_are_hashed_in_order_from_the_pieces_they_arrived_
     import random
 
     from stagingloader import digest as dg
-    from stagingloader.staging import largefiles
+    from stagingloader.engine import largefiles
 
     monkeypatch.setattr(largefiles, "HELD_RANGES", 3)
     step, size = 64 << 10, (64 << 10) * 7 + 999

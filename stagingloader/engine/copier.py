@@ -36,12 +36,12 @@ from ..cache import trust
 from ..cache.layout import safe_join
 from ..cache.manifest import Entry
 from ..errors import NoSpaceError
+from ..sources.source import Source, SourceFile
 from .copyops import Buffer, EntryTuple, Item, Target, Worker, as_root_error
 from .feed import Feed, Wakeup
 from .gate import Gate
 from .incoming import Incoming
 from .largefiles import LargeFile
-from .sources import Source, SourceFile
 from .workerpool import DEPTH, WorkerPool
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import socket
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 
-from .sources import SourceFile
+from ..sources.source import SourceFile
 
 
 class Wakeup:

@@ -2,7 +2,7 @@
 
 Real parts only: the S3 server behind the fault proxy (held or rate-limited: a slow source without timing
 anything), real folders and a real 16 MiB tmpfs.  A reader here is the test itself, speaking the protocol of
-``stagingloader.staging.stream`` (order, position, urgent rows) as the loader does.
+``stagingloader.streaming.protocol`` (order, position, urgent rows) as the loader does.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 
 import stagingloader as sl
 from stagingloader.cache.layout import DatasetDir
-from stagingloader.staging import stream
+from stagingloader.streaming import protocol
 from tests.conftest import cli_json, mounted_tmpfs
 from tests.support.faultproxy import Bandwidth, FaultProxy
 from tests.support.s3server import S3Server, isolated_s3
@@ -76,7 +76,7 @@ def test_wait_false_returns_before_the_copy_and_wait_publishes(s3: S3Server, roo
             assert ds.progress.state == "copying" and ds.progress.files_done == 0
             assert ds.progress.files_total == len(FILES) and len(ds.files) == len(FILES)
             assert DatasetDir(ds.dataset_dir).current() is None
-            assert stream.StreamFiles.load(ds.stream_dir).rels == tuple(sorted(k[3:] for k in FILES))
+            assert protocol.StreamFiles.load(ds.stream_dir).rels == tuple(sorted(k[3:] for k in FILES))
             with pytest.raises(sl.StageTimeoutError):
                 ds.wait(timeout=0.05)
             gate.set()
@@ -100,11 +100,11 @@ def test_copy_follows_the_readers_order_and_urgent_rows_jump(s3: S3Server, root:
         ds, gate = _held_stream(s3, root, proxy)
         try:
             assert ds.stream_dir is not None
-            rels = stream.StreamFiles.load(ds.stream_dir).rels
+            rels = protocol.StreamFiles.load(ds.stream_dir).rels
             order = np.random.default_rng(3).permutation(len(rels)).astype(np.int64)
-            stream.write_order(ds.stream_dir, "r0-1", order)
+            protocol.write_order(ds.stream_dir, "r0-1", order)
             urgent = int(order[-1])  # the last in the order: only a queue jump brings it early
-            stream.append_urgent(ds.stream_dir, "r0-1", [urgent])
+            protocol.append_urgent(ds.stream_dir, "r0-1", [urgent])
             gate.set()
             done = ds.wait(timeout=120)
         finally:
@@ -130,18 +130,18 @@ def test_a_dataset_larger_than_the_tier_streams_under_a_cache_limit(tmp_path: Pa
         try:
             assert ds.streaming and ds.stream_dir is not None
             sdir, data = ds.stream_dir, ds.dataset_dir / "incoming" / "data"
-            rels = stream.StreamFiles.load(sdir).rels
+            rels = protocol.StreamFiles.load(sdir).rels
             epoch0 = np.random.default_rng(0).permutation(len(rels)).astype(np.int64)
             epoch1 = epoch0[::-1].copy()  # read last this epoch, read first in the next: those must stay
-            stream.write_order(sdir, "r0-1", np.concatenate([epoch0, epoch1]))
+            protocol.write_order(sdir, "r0-1", np.concatenate([epoch0, epoch1]))
             biggest = 0
             for i, row in enumerate(epoch0.tolist()):
-                stream.write_position(sdir, "r0-1", i)
+                protocol.write_position(sdir, "r0-1", i)
                 path = _ready(ds, rels[row], sdir)
                 assert path.read_bytes() == (src / rels[row]).read_bytes()
                 st = os.statvfs(tiny)  # the tier's own count: whole files, partial copies, the stream's small files
                 biggest = max(biggest, (st.f_blocks - st.f_bfree) * st.f_frsize)
-            stream.write_position(sdir, "r0-1", len(epoch0))
+            protocol.write_position(sdir, "r0-1", len(epoch0))
             keep = {rels[r] for r in epoch0[-8:].tolist()}  # the next epoch's first eight
             _until(lambda: _files_under(data) == keep, f"the cache to hold {sorted(keep)}")
             assert biggest <= limit + (256 << 10)  # the limit, and the journal, state and log files
@@ -155,11 +155,11 @@ def test_a_dataset_larger_than_the_tier_streams_under_a_cache_limit(tmp_path: Pa
 
 
 def _ready(ds: sl.StagedDataset, rel: str, sdir: Path) -> Path:
-    path = stream.resolve(ds.dataset_dir, rel, ds.version)
+    path = protocol.resolve(ds.dataset_dir, rel, ds.version)
     if path is None:
-        stream.append_urgent(sdir, "r0-1", [stream.StreamFiles.load(sdir).rels.index(rel)])
-        _until(lambda: stream.resolve(ds.dataset_dir, rel, ds.version) is not None, f"{rel} to be staged")
-        path = stream.resolve(ds.dataset_dir, rel, ds.version)
+        protocol.append_urgent(sdir, "r0-1", [protocol.StreamFiles.load(sdir).rels.index(rel)])
+        _until(lambda: protocol.resolve(ds.dataset_dir, rel, ds.version) is not None, f"{rel} to be staged")
+        path = protocol.resolve(ds.dataset_dir, rel, ds.version)
     assert path is not None
     return path
 
@@ -185,17 +185,17 @@ def test_killed_stagers_resume_and_no_reader_sees_a_wrong_byte(s3: S3Server, roo
             ddir = Path(out["dataset_dir"])
             sdir = Path(out["stream_dir"])
             assert _state(sdir).files_done >= seen  # the killed run's files are kept, not copied again
-            rels = stream.StreamFiles.load(sdir).rels
+            rels = protocol.StreamFiles.load(sdir).rels
             target = seen + 1 + rng.randrange(max(1, (len(rels) - seen) // 3))  # a random point, never the end
             _until(lambda s=sdir, t=target: _files_done(s) >= t, "the stager to copy a few files")
             os.kill(out["pid"], signal.SIGKILL)
             _until(lambda s=sdir: not _state(s).alive, "the stager to die")
-            state = stream.read_state(sdir)
+            state = protocol.read_state(sdir)
             assert state is not None and "is gone" in (state.problem("ds") or "")
             # a reader reads every sample that is there, and each one is whole and right
             ready = 0
             for rel in rels:
-                path = stream.resolve(ddir, rel, out["version"])
+                path = protocol.resolve(ddir, rel, out["version"])
                 if path is not None:
                     assert path.read_bytes() == expected[rel], rel
                     ready += 1
@@ -208,8 +208,8 @@ def test_killed_stagers_resume_and_no_reader_sees_a_wrong_byte(s3: S3Server, roo
     assert sl.verify(done).ok
 
 
-def _state(sdir: Path) -> stream.StreamState:
-    return stream.read_state(sdir) or stream.StreamState(pid=0, start_time=None)
+def _state(sdir: Path) -> protocol.StreamState:
+    return protocol.read_state(sdir) or protocol.StreamState(pid=0, start_time=None)
 
 
 def _files_done(sdir: Path) -> int:
@@ -252,7 +252,7 @@ def test_release_stops_the_stager_and_the_next_stage_resumes(s3: S3Server, root:
         _until(lambda: ds.progress.files_done >= 3, "a few files")
         ds.release()
         assert proc.returncode == 0  # stopped cleanly on SIGTERM
-        state = stream.read_state(sdir)
+        state = protocol.read_state(sdir)
         assert state is not None and state.state == "copying" and "stopped" in (state.error or "")
         with pytest.raises(sl.StagerFailedError, match="gone"):
             ds.stream.wait()
@@ -284,8 +284,8 @@ def test_the_stager_stops_when_its_lease_is_released(s3: S3Server, root: Path) -
 
 
 def test_each_node_streams_only_its_shard(src: Path, root: Path) -> None:
+    from stagingloader.sources.source import Source
     from stagingloader.staging.sharding import take_shard
-    from stagingloader.staging.sources import Source
 
     listing = Source(str(src)).listing()
     got: set[str] = set()
@@ -294,7 +294,7 @@ def test_each_node_streams_only_its_shard(src: Path, root: Path) -> None:
         try:
             want = sorted(f.rel for f in take_shard(listing, (node, 2)))
             if ds.streaming:
-                assert ds.stream_dir is not None and list(stream.StreamFiles.load(ds.stream_dir).rels) == want
+                assert ds.stream_dir is not None and list(protocol.StreamFiles.load(ds.stream_dir).rels) == want
             done = ds.wait(timeout=60)
             assert sorted(done.files) == want and sl.verify(done).ok
             got |= set(done.files)
@@ -332,9 +332,9 @@ def test_a_file_that_fails_its_source_manifest_fails_the_stream_and_never_appear
     try:
         with pytest.raises(sl.StagerFailedError, match=r"cat/007\.bin.*does not match the source manifest"):
             ds.wait(timeout=60)
-        state = stream.find_state(ds.dataset_dir, ds.version)
+        state = protocol.find_state(ds.dataset_dir, ds.version)
         assert state is not None and state.state == "failed" and "007.bin" in (state.error or "")
-        assert stream.resolve(ds.dataset_dir, "cat/007.bin", ds.version) is None  # never visible
+        assert protocol.resolve(ds.dataset_dir, "cat/007.bin", ds.version) is None  # never visible
         assert DatasetDir(ds.dataset_dir).current() is None
     finally:
         ds.release()

@@ -45,14 +45,14 @@ class WorkerDiedError(StagingError):
 
 
 # A worker starts without ``site`` (``-S``: 11 ms of CPU instead of 34 here, an editable install's finder
-# included) on the stager's own ``sys.path``.  The packages stagingloader and stagingloader.staging are
+# included) on the stager's own ``sys.path``.  The packages stagingloader, its engine, sources and cache are
 # registered without running their __init__ (which import the whole library, numpy and fsspec: 0.2 s of CPU per
 # worker); then only the copy modules load.
 _BOOT = ("import sys, importlib.util as u; from multiprocessing.connection import Connection; "
          "c = Connection(int(sys.argv[1])); sys.path[:] = c.recv()\n"
-         "for n in ('stagingloader', 'stagingloader.staging'):\n"
+         "for n in ('stagingloader', 'stagingloader.engine', 'stagingloader.sources', 'stagingloader.cache'):\n"
          "    sys.modules[n] = u.module_from_spec(u.find_spec(n))\n"
-         "from stagingloader.staging.workerpool import main; main(c)")
+         "from stagingloader.engine.workerpool import main; main(c)")
 
 
 class _Proc:

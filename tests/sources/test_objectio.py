@@ -1,4 +1,4 @@
-"""The bytes of s3:// objects (staging/objectio.py): which client reads, what it is told, and how it fails.
+"""The bytes of s3:// objects (sources/objectio.py): which client reads, what it is told, and how it fails.
 
 The mapping from s3fs options to obstore is pure and tested without a server; the reads run against the real
 SeaweedFS server, through the fault proxy where a fault is the point.
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 import stagingloader as sl
-from stagingloader.staging.objectio import ObstorePlan, ObstoreReader, plan_obstore
-from stagingloader.staging.sources import Source
+from stagingloader.sources.objectio import ObstorePlan, ObstoreReader, plan_obstore
+from stagingloader.sources.source import Source
 from tests.support.faultproxy import FaultProxy
 from tests.support.s3server import S3Server
 from tests.support.trees import content
@@ -159,8 +159,8 @@ def test_a_range_cut_mid_body_more_often_than_obstore_resumes_is_read_again_whol
     import threading
 
     from stagingloader import digest as dg
-    from stagingloader.staging import copyops
-    from stagingloader.staging.retry import RetryPolicy
+    from stagingloader.engine import copyops
+    from stagingloader.retry import RetryPolicy
 
     key, size = BIG
     host, port = s3.endpoint_url.split("//")[1].split(":")
@@ -218,7 +218,7 @@ def test_credentials_from_the_environment_as_botocore_reads_them(s3: S3Server, m
 def test_options_obstore_cannot_map_fall_back_to_s3fs_and_say_so(s3: S3Server, root: Path,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     opts = s3.storage_options(config_kwargs={"parameter_validation": False})
-    with caplog.at_level(logging.INFO, logger="stagingloader.staging.objectio"):
+    with caplog.at_level(logging.INFO, logger="stagingloader.sources.objectio"):
         ds = sl.stage(f"s3://{BUCKET}/ds/s", root=str(root), storage_options=opts)
     assert "through s3fs, not obstore" in caplog.text and "parameter_validation" in caplog.text
     assert s3.secret_key not in caplog.text
@@ -255,7 +255,7 @@ def test_fsspecs_config_is_read_where_there_is_one_and_fsspec_not_imported_where
         (home / ".config" / "fsspec" / "conf.json").write_text(json.dumps({"s3": {"key": "k1", "secret": "s1"}}))
     elif where == "environment":
         env["FSSPEC_S3"] = json.dumps({"key": "k1", "secret": "s1"})
-    code = ("import json, sys\nfrom stagingloader.staging.objectio import fsspec_config\n"
+    code = ("import json, sys\nfrom stagingloader.sources.objectio import fsspec_config\n"
             "print(json.dumps([fsspec_config('s3'), 'fsspec' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
                          cwd=Path(__file__).resolve().parents[2])

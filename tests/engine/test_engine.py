@@ -18,13 +18,13 @@ import xxhash
 
 import stagingloader as sl
 from stagingloader.cache.manifest import Entry
+from stagingloader.engine.copier import Copier, CopySettings
+from stagingloader.engine.copyops import Target
+from stagingloader.engine.incoming import Incoming
+from stagingloader.engine.workerpool import DEPTH, WorkerDiedError, WorkerPool
 from stagingloader.errors import SourceChangedError, StagingError, VerificationError
-from stagingloader.staging.copier import Copier, CopySettings
-from stagingloader.staging.copyops import Target
-from stagingloader.staging.incoming import Incoming
-from stagingloader.staging.retry import RetryPolicy
-from stagingloader.staging.sources import Source, SourceFile
-from stagingloader.staging.workerpool import DEPTH, WorkerDiedError, WorkerPool
+from stagingloader.retry import RetryPolicy
+from stagingloader.sources.source import Source, SourceFile
 from tests.support.trees import content, make_tree, tree_digests
 
 
@@ -183,7 +183,7 @@ def _worker_pids() -> list[int]:
                 out += [int(p) for p in f.read().split()]
         except FileNotFoundError:
             continue
-    return [p for p in out if b"stagingloader.staging.workerpool" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return [p for p in out if b"stagingloader.engine.workerpool" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
 def test_a_worker_killed_mid_run_fails_the_stage_cleanly_and_a_second_stage_resumes(tmp_path: Path,
@@ -222,7 +222,7 @@ def test_a_worker_killed_mid_run_fails_the_stage_cleanly_and_a_second_stage_resu
 _KILL_PARENT = """
 import os, signal, sys
 import stagingloader as sl
-from stagingloader.staging import copier
+from stagingloader.engine import copier
 real = copier.Copier._complete_batch
 def batch(self, *a, **k):
     if self.worker_pids:

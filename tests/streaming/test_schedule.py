@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from stagingloader.staging.schedule import Schedule
+from stagingloader.streaming.schedule import Schedule
 
 
 def _drain(s: Schedule, limit: int = 1000) -> list[int]:

@@ -26,17 +26,17 @@ from .. import errors
 from ..cache.layout import DatasetDir
 from ..cache.manifest import Manifest
 from ..errors import InternalError, StagerFailedError, StageTimeoutError, StagingError, UsageError
-from .result import StagedDataset
-from .stager import StageOptions
-from .stream import COMPLETE, StreamFiles, StreamState, find_state, stream_dir
-from .streamer import StreamRequest
+from ..staging.result import StagedDataset
+from ..staging.stager import StageOptions
+from .process import StreamRequest
+from .protocol import COMPLETE, StreamFiles, StreamState, find_state, stream_dir
 
 log = logging.getLogger(__name__)
 
 STOP_SECONDS = 30.0
 _HERE = str(Path(__file__).resolve().parents[2])  # the stager runs this very copy of the package
 _MAIN = (f"import sys; sys.path.insert(0, {_HERE!r}); "
-         "from stagingloader.staging.streamer import main; sys.exit(main())")
+         "from stagingloader.streaming.process import main; sys.exit(main())")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stagingloader.staging.eviction import (
+from stagingloader.streaming.eviction import (
     NEVER,
     LRUPolicy,
     NextUsePolicy,

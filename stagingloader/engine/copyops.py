@@ -33,9 +33,9 @@ import xxhash
 
 from .. import digest as dg
 from ..errors import NoSpaceError, RootError, SourceChangedError, StagingError, VerificationError
-from . import stable
-from .files import DataFolders, SourceFile
-from .retry import RetryPolicy, as_source_error, call_with_retry, is_transient_os_error
+from ..retry import RetryPolicy, as_source_error, call_with_retry, is_transient_os_error
+from ..sources import stable
+from ..sources.files import DataFolders, SourceFile
 
 log = logging.getLogger(__name__)
 

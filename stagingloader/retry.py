@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..errors import SourceAccessError, SourceError, SourceNotFoundError, StagingError, UsageError
+from .errors import SourceAccessError, SourceError, SourceNotFoundError, StagingError, UsageError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""The streaming stager: one process per streaming run (``python -m stagingloader.staging.streamer``).
+"""The streaming stager: one process per streaming run (``python -m stagingloader.streaming.process``).
 
 It is started by ``stage(..., wait=False)``, ``stagingloader stage --no-wait`` and the Slurm prolog (``wait=no``)
 with a JSON request on its stdin, and answers on its stdout with JSON lines: ``{"event": text}`` while it lists
@@ -38,14 +38,12 @@ import numpy as np
 from ..cache import leases, trust
 from ..cache.locking import DatasetLock
 from ..cache.manifest import Entry
+from ..engine.copier import Copier, CopySettings
 from ..errors import InternalError, NoSpaceError, StagingError
-from ..units import human_bytes
-from .copier import Copier, CopySettings
-from .listing import Listing
-from .result import StagedDataset
-from .schedule import Schedule
-from .sources import SourceFile
-from .stager import (
+from ..sources.listing import Listing
+from ..sources.source import SourceFile
+from ..staging.result import StagedDataset
+from ..staging.stager import (
     LockedPlan,
     StageOptions,
     StageRun,
@@ -59,7 +57,8 @@ from .stager import (
     someone_elses,
     take_lease,
 )
-from .stream import (
+from ..units import human_bytes
+from .protocol import (
     COMPLETE,
     COPYING,
     FAILED,
@@ -70,6 +69,7 @@ from .stream import (
     read_state,
     stream_dir,
 )
+from .schedule import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def _read_along(run: StageRun, *, foreign: bool, holder_pid: int | None) -> dict
 
 
 def _published_foreign(run: StageRun) -> dict[str, Any]:
-    from .stager import run_stage
+    from ..staging.stager import run_stage
 
     ds = run_stage(run.source.url, run.opts)  # the read-only path: checks it is current and intact, or says why
     if not isinstance(ds, StagedDataset):

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .eviction import NEVER, choose_victims
-from .stream import merge_orders
+from .protocol import merge_orders
 
 Rows = npt.NDArray[np.int64]
 MIN_WINDOW = 8

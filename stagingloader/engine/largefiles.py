@@ -32,10 +32,10 @@ import xxhash
 from .. import digest as dg
 from ..errors import SourceChangedError
 from ..fsio import atomic_write
-from . import stable
+from ..sources import stable
+from ..sources.source import SourceFile
 from .copyops import Buffer, hash_written
 from .incoming import Incoming, partial_id
-from .sources import SourceFile
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from stagingloader.errors import SourceNotFoundError, UnsafePathError
-from stagingloader.staging import sources
-from stagingloader.staging.sources import Source, selected, validate_rel
+from stagingloader.sources import source
+from stagingloader.sources.source import Source, selected, validate_rel
 from tests.support.trees import make_tree
 
 
@@ -73,6 +73,6 @@ def test_a_file_removed_while_its_folder_is_listed_is_left_out(tmp_path: Path,
             tmp.rename(tmp_path / "src" / "b.bin")  # after the listing, before the stat: the race, made certain
         return entries
 
-    monkeypatch.setattr(sources.os, "scandir", scandir_then_rename)
-    listed = [f.rel for f in sources.Source(str(tmp_path / "src")).listing()]
+    monkeypatch.setattr(source.os, "scandir", scandir_then_rename)
+    listed = [f.rel for f in source.Source(str(tmp_path / "src")).listing()]
     assert listed == ["a.bin", "c.bin"]

@@ -33,8 +33,8 @@ from ..cache import trust
 from ..cache.columns import Int64Array, RowArray
 from ..cache.manifest import Entry
 from ..fsio import atomic_write
-from .files import DataFolders
-from .listing import Listing, SourceFile
+from ..sources.files import DataFolders
+from ..sources.listing import Listing, SourceFile
 
 
 @dataclass(frozen=True, kw_only=True)
