@@ -30,23 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import MissingDependencyError, UsageError
+from ..errors import UsageError
 from .order import IndexedLoader
+from .select import gds_blocker, import_dali
 
-INSTALL = ("pip install nvidia-dali-cuda130  (NVIDIA DALI for CUDA 13; stagingloader's [dali] extra: "
-           "pip install '.[dali]' in its checkout)")
 READER = "reader"
-
-
-def import_dali() -> Any:
-    """The ``nvidia.dali`` module, or an error with the install line."""
-    try:
-        import nvidia.dali
-        import nvidia.dali.plugin.pytorch
-    except ImportError as e:
-        raise MissingDependencyError(f"backend='dali' needs NVIDIA DALI, which is not installed ({e}): "
-                                     f"{INSTALL}") from None
-    return nvidia.dali
 
 
 class DALILoader(IndexedLoader):
@@ -107,8 +95,6 @@ class DALILoader(IndexedLoader):
         self._reusable = False  # the built pipeline ran a whole epoch: it can run the same order again
 
     def _choose_gds(self, asked: bool | None, cuda: bool) -> tuple[bool, str]:
-        from .select import gds_blocker
-
         if not self._npy:
             if asked:
                 raise UsageError("gds=True reads .npy files (StagedFiles(..., decode='npy')); these are raw files")

@@ -1,7 +1,8 @@
 """The part every non-torch backend shares: torch's order of samples, epochs, stats and resume.
 
-The order is not re-implemented: a ``stagingloader.DataLoader`` over the indices themselves, built
-with the user's ``shuffle``/``sampler``/``drop_last``/``generator``, yields each epoch's batches of
+The order is not re-implemented: the loader's torch path (``loader.dataloader.TorchDataLoader``) over the
+indices themselves, built with the user's ``shuffle``/``sampler``/``drop_last``/``generator``, yields each epoch's
+batches of
 indices and draws from the random generators exactly as the torch path does, and its state is
 the backend's state: torchdata's protocol, the same format as the torch path's with no workers,
 so a backend resumes by jumping to the position (no sample is read twice).  A backend then only
@@ -22,11 +23,12 @@ import torch
 import torch.utils.data as tud
 
 from ..errors import UsageError
-from ..loader.dataloader import STATE_KEY, DataLoader, resolve_device
+from ..loader.dataloader import STATE_KEY, TorchDataLoader, resolve_device
 from ..loader.epoch import StateEncoder, node_sampler, pass_epoch
 from ..loader.filetable import FileTable
 from ..loader.orders import OrderPublisher
 from ..loader.stats import GpuSampler, LoaderStats, batch_len, batch_nbytes
+from ..loader.torchdata_compat import batches_yielded
 
 log = logging.getLogger("stagingloader.loader")
 
@@ -112,10 +114,10 @@ class IndexedLoader(abc.ABC):
         self.generator = generator
         self.num_workers = max(0, int(num_workers))
         self.prefetch_factor = prefetch_factor
-        self._order: DataLoader[Any] = DataLoader(_Indices(len(dataset)), batch_size=self.batch_size,
-                                                  shuffle=shuffle, sampler=sampler, drop_last=drop_last,
-                                                  generator=generator, collate_fn=_as_array, backend="torch",
-                                                  stats=False, readahead=0)
+        self._order: TorchDataLoader[Any] = TorchDataLoader(_Indices(len(dataset)), batch_size=self.batch_size,
+                                                            shuffle=shuffle, sampler=sampler, drop_last=drop_last,
+                                                            generator=generator, collate_fn=_as_array, stats=False,
+                                                            readahead=0)
         self._order.stats.quiet = True
         if OrderPublisher.wanted(dataset):  # the stager learns this loader's order, as from the torch path
             self._order.orders = OrderPublisher(dataset)
@@ -209,7 +211,7 @@ class _EpochIter:
         self.loader = loader
         self._order = order
         self._states: deque[Any] = deque()  # the order's state after each batch of indices taken, in order
-        self._n = len(order) - getattr(order, "_num_yielded", 0)  # type: ignore[arg-type]
+        self._n = len(order) - batches_yielded(order)  # type: ignore[arg-type]
         loader.stats.start_epoch(loader.epoch, None)
         self._inner = loader._read(self._indices())
         self._done = False

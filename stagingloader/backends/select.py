@@ -5,7 +5,8 @@
 * ``"gds"``: GPUDirect Storage (cuFile) reads ``.npy`` rows or raw files from NVMe straight into
   GPU memory (:mod:`.gds`).  It needs a CUDA device, cuFile, and a file system cuFile can read:
   not tmpfs.
-* ``"dali"``: a DALI pipeline (:mod:`.dali`); asked for by name, never chosen silently.
+* ``"dali"``: a DALI pipeline (:mod:`.dali`); asked for by name, never chosen silently (:func:`import_dali`
+  says whether DALI is installed).
 * ``"auto"`` (the default): GDS where it can work, else torch's path, with the reason recorded
   in ``loader.stats.path_note`` and the log ("tmpfs: GDS not possible, using pinned async copies").
   While the dataset's stage still streams (``stage(..., wait=False)``), ``auto`` takes torch's path:
@@ -30,6 +31,8 @@ from ..errors import MissingDependencyError, UsageError
 BACKENDS = ("auto", "torch", "dali", "gds")
 GDS_INSTALL = ("pip install kvikio-cu13  (stagingloader's [gds] extra: pip install '.[gds]' in its checkout), or a "
                "PyTorch built with cuFile (torch.cuda.gds)")
+DALI_INSTALL = ("pip install nvidia-dali-cuda130  (NVIDIA DALI for CUDA 13; stagingloader's [dali] extra: "
+                "pip install '.[dali]' in its checkout)")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,17 @@ def cufile() -> tuple[str, str]:
         except OSError:
             continue
     return "", "NVIDIA's cuFile library (libcufile.so) is not installed"
+
+
+def import_dali() -> Any:
+    """The ``nvidia.dali`` module, or an error with the install line."""
+    try:
+        import nvidia.dali
+        import nvidia.dali.plugin.pytorch
+    except ImportError as e:
+        raise MissingDependencyError(f"backend='dali' needs NVIDIA DALI, which is not installed ({e}): "
+                                     f"{DALI_INSTALL}") from None
+    return nvidia.dali
 
 
 def gds_eligible(dataset: Any) -> str:
@@ -114,8 +128,6 @@ def choose(requested: str, dataset: Any, device: str | torch.device | None, *,
         raise UsageError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, not {requested!r}")
     dev = torch.device(device) if device is not None else None
     if requested == "dali":
-        from .dali import import_dali
-
         import_dali()
         return Choice("dali", "DALI pipeline")
     if requested == "torch":

@@ -135,7 +135,8 @@ def _train(ds: StagedDataset, say: Any, *, epochs: int) -> dict[str, Any] | None
     except ImportError:
         say("5/6 skipped training: torch is not installed (pip install '.[demo]' from the checkout)")
         return None
-    from ..loader import DataLoader, StagedFiles
+    from ..dataloader import DataLoader
+    from ..loader import StagedFiles
     from ..loader.diagnosis import diagnose
 
     say(f"5/6 training a small CNN for {epochs} epoch(s) on the staged JPEGs through stagingloader.DataLoader "

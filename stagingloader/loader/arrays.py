@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 
 from ..errors import UsageError
 from ..staging.result import StagedDataset
-from .batches import LazyBatch, empty_batch
+from .collate import LazyBatch, empty_batch
 from .context import current
 from .filetable import FileTable
 from .listing import list_files
@@ -76,7 +76,11 @@ class StagedArrays(Dataset[Any]):
         else:
             paths = [str(p) for p in files]
         if not paths:
-            raise ValueError(f"no .npy files in {files}")
+            raise UsageError(f"no .npy files in {files}: StagedArrays reads the rows of .npy files (a staged "
+                             "dataset, a folder of them, or a list of paths)")
+        not_npy = [p for p in paths if not p.endswith(".npy")]
+        if not_npy:
+            raise UsageError(f"{not_npy[0]} is not a .npy file: StagedArrays reads the rows of .npy files")
         self.paths = paths
         self._maps: list[np.ndarray | None] | None = None  # opened lazily in each process
         if sizes is None:

@@ -1,21 +1,28 @@
-"""Collation: a timed wrapper around the user's ``collate_fn``, and batches gathered in one read.
+"""Batches: where a dataset's batch is read into, batches gathered in one read, and a timed ``collate_fn``.
 
 A dataset's ``__getitems__`` may return a :class:`GatheredBatch`: a list of samples (so any
 ``collate_fn`` works unchanged, and torch's own DataLoader too) that also carries the batch
 already stacked, exactly as ``default_collate`` would build it.  With the default collate, the
-loader takes the stacked form and skips the per-sample stack.
+loader takes the stacked form and skips the per-sample stack.  The stacked batch is read into
+shared memory in a worker (a reusable slot, :mod:`.slots`), pinned memory for a GPU, or fresh
+memory (:func:`empty_batch`); a :class:`LazyBatch` builds its samples only when a custom
+``collate_fn`` asks for them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from torch.utils.data import default_collate, default_convert
+import numpy as np
+import torch
+from torch.utils.data import default_collate, default_convert, get_worker_info
 
 from ..errors import StagingError
+from .slots import SlotBatch, SlotPool
 from .stats import COLLATE_S, FETCH_S, WorkerClock
+from .torchdata_compat import new_shared_storage
 
 UNEQUAL = ("stack expects each tensor to be equal size", "Trying to resize storage that is not resizable")
 
@@ -38,8 +45,6 @@ def fast_collate(data: Any) -> Any:
     if isinstance(data, GatheredBatch):
         slot = getattr(data, "slot", None)
         if slot is not None:
-            from .slots import SlotBatch
-
             return SlotBatch(data.stacked, *slot)
         return data.stacked
     try:
@@ -83,3 +88,58 @@ class TimedCollate:
         state = dict(self.__dict__)
         state["_last_end"] = None
         return state
+
+
+# ---- where a batch is read into ------------------------------------------------------------------------
+def empty_batch(shape: tuple[int, ...], dtype: torch.dtype, slots: SlotPool | None = None, pin: bool = False,
+                ) -> tuple[torch.Tensor, tuple[int, int, int] | None]:
+    """A tensor for a batch, and the (worker, slot, pool token) it occupies if any.
+
+    Inside a worker it lives in shared memory (it crosses to the main process as is): a reused
+    slot when the loader gave the dataset a slot pool, else a fresh segment as torch does.  In
+    the main process with ``pin`` (the loader copies to a GPU), it is pinned memory from torch's
+    caching host allocator, so the copy to the device is asynchronous.
+    """
+    info = get_worker_info()
+    if info is None:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin), None
+    if slots is not None:
+        got = slots.empty(shape, dtype)
+        if got is not None:
+            return got[0], (info.id, got[1], slots.token)
+    return _fresh_shared(shape, dtype), None
+
+
+def _fresh_shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    storage = new_shared_storage(nbytes)
+    out: torch.Tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
+    return out
+
+
+class LazyBatch(GatheredBatch):
+    """A gathered batch whose samples are built only if a custom collate_fn asks for them."""
+
+    def __init__(self, n: int, sample: Callable[[int], Any], stacked: Any, slot: tuple[int, int, int] | None) -> None:
+        list.__init__(self)
+        self._n, self._sample, self.stacked, self.slot = n, sample, stacked, slot
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self._sample(j) for j in range(*i.indices(self._n))]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        return self._sample(i)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self._sample(i) for i in range(self._n))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (list, (list(self),))  # a custom collate_fn returned it as is: cross as a plain list
+
+

@@ -1,7 +1,9 @@
-"""``stagingloader.DataLoader``: torch's DataLoader and torchdata's StatefulDataLoader, same arguments and batches,
-plus stats and speed.
+"""The torch path of ``stagingloader.DataLoader``: torch's DataLoader and torchdata's StatefulDataLoader, same
+arguments and batches, plus stats and speed.
 
-It *is* a ``torchdata.stateful_dataloader.StatefulDataLoader`` (a subclass), which is a
+:class:`TorchDataLoader` is what ``stagingloader.DataLoader`` (:mod:`stagingloader.dataloader`, which chooses
+between it and a backend's loader) runs on torch's path.  It *is* a
+``torchdata.stateful_dataloader.StatefulDataLoader`` (a subclass), which is a
 ``torch.utils.data.DataLoader``: every argument, default, error and worker behaviour is torch's,
 and ``state_dict()`` / ``load_state_dict()`` are torchdata's protocol (samplers and datasets that
 implement ``state_dict``/``load_state_dict`` are saved and restored, per worker for iterable
@@ -12,8 +14,10 @@ datasets).  What it adds:
 * states that are JSON (tensors encoded, :func:`~.epoch.encode_state`);
 * ``loader.stats``: how long the loop waited on each batch and where the workers spent their time;
 * batch-level reads for stagingloader's datasets into reusable shared-memory slots;
-* read-ahead hints on disk tiers (``readahead=``), ``device=`` (copies one batch ahead on a side
-  stream), and ``backend=`` (GDS or DALI read the batches; the loader delegates to them).
+* read-ahead hints on disk tiers (``readahead=``) and ``device=`` (copies one batch ahead on a side
+  stream).
+
+torchdata's and torch's private names are reached through :mod:`.torchdata_compat` only.
 """
 
 from __future__ import annotations
@@ -21,16 +25,13 @@ from __future__ import annotations
 import gc
 import logging
 import threading
-import warnings
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.utils.data as tud
-from torchdata.stateful_dataloader import StatefulDataLoader
-from typing_extensions import TypeVar
 
 from .collate import TimedCollate
 from .context import LoaderContext, WorkerInit
@@ -40,9 +41,17 @@ from .iterator import LoaderIter, note_oom
 from .orders import OrderPublisher
 from .slots import SlotPool
 from .stats import GpuSampler, LoaderStats, WorkerClock
+from .torchdata_compat import (
+    StatefulLoader,
+    T_co,
+    current_iterator,
+    forget_iterator,
+    iterator_made_for_state,
+    sampler_iterator,
+    shutdown_workers,
+)
 
 log = logging.getLogger("stagingloader.loader")
-T_co = TypeVar("T_co", covariant=True, default=Any)  # DataLoader(ds) is a DataLoader[Any]
 STATE_KEY = "_stagingloader"  #: the loader's own part of a state (its epoch counter); torchdata ignores it
 
 
@@ -103,20 +112,15 @@ class _Hinter:
             self._thread = None
 
 
-class DataLoader(StatefulDataLoader[T_co]):
+class TorchDataLoader(StatefulLoader[T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` and ``torchdata``'s ``StatefulDataLoader``; see the module doc.
 
     Extra keyword arguments: ``device`` (e.g. ``"cuda"``: batches arrive on the device, copied
     on a side stream one batch ahead), ``readahead`` (batches of read-ahead hints on disk tiers,
     default 2; 0 disables), ``stats`` (default True), ``shard="node"`` (this node's share, split
-    between its ranks), ``backend`` (``"auto"``, the default: GPUDirect Storage where it can
-    work, else this loader; ``"torch"``, ``"gds"``, ``"dali"``: see
-    :mod:`stagingloader.backends.select`; backend options such as DALI's ``process=`` are passed
-    through).  ``persistent_workers`` defaults to True where it cannot change results
-    (stagingloader's own datasets, no ``worker_init_fn``).
-
-    With ``backend="dali"`` or ``"gds"`` the loader delegates to that backend's loader
-    (``loader.backend_loader``): same order of samples, ``stats``, ``state_dict`` and ``set_epoch``.
+    between its ranks).  ``persistent_workers`` defaults to True where it cannot change results
+    (stagingloader's own datasets, no ``worker_init_fn``).  ``stats.path_note`` is set by whoever
+    chose this path (``stagingloader.DataLoader``).
     """
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None, sampler: Any = None,
@@ -125,22 +129,7 @@ class DataLoader(StatefulDataLoader[T_co]):
                  multiprocessing_context: Any = None, generator: Any = None, *, prefetch_factor: int | None = None,
                  persistent_workers: bool | None = None, pin_memory_device: str = "", in_order: bool = True,
                  snapshot_every_n_steps: int | None = 1, device: str | torch.device | None = None, readahead: int = 2,
-                 stats: bool = True, shard: str | None = None, backend: str = "auto", **backend_options: Any) -> None:
-        from ..backends.select import choose
-
-        given = (("collate_fn", collate_fn), ("batch_sampler", batch_sampler), ("worker_init_fn", worker_init_fn))
-        choice = choose(backend, dataset, device, torch_only=[name for name, value in given if value is not None])
-        self.backend_loader: Any = None
-        if choice.backend != "torch":
-            self._delegate(choice.backend, dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
-                           collate_fn, pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context,
-                           generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-                           pin_memory_device=pin_memory_device, in_order=in_order, device=device,
-                           readahead=readahead, stats=stats, shard=shard, **backend_options)
-            return
-        if backend_options:
-            name = next(iter(backend_options))
-            raise TypeError(f"DataLoader.__init__() got an unexpected keyword argument {name!r}")
+                 stats: bool = True, shard: str | None = None) -> None:
         # a loader rebuilt from another's attributes (as Lightning does) gets the user's functions, not our wrappers
         if isinstance(collate_fn, TimedCollate):
             collate_fn = collate_fn.user_fn
@@ -165,13 +154,11 @@ class DataLoader(StatefulDataLoader[T_co]):
         auto = batch_sampler is not None or batch_size is not None
         wrapped = TimedCollate(collate_fn, clock, measure_fetch=not ours, auto_collation=auto)
         init = WorkerInit(worker_init_fn, LoaderContext(clock=clock)) if workers else worker_init_fn
-        with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated since
-            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-            super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, wrapped, pin_memory,
-                             drop_last, timeout, init, multiprocessing_context, generator,
-                             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-                             pin_memory_device=pin_memory_device, in_order=in_order,
-                             snapshot_every_n_steps=snapshot_every_n_steps)
+        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, wrapped, pin_memory,
+                         drop_last, timeout, init, multiprocessing_context, generator,
+                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                         pin_memory_device=pin_memory_device, in_order=in_order,
+                         snapshot_every_n_steps=snapshot_every_n_steps)
         if batch_sampler is None and self.batch_size is not None and not isinstance(dataset, tud.IterableDataset):
             object.__setattr__(self, "batch_sampler", BatchSampler(self.sampler, self.batch_size, self.drop_last))
         self.user_collate_fn = collate_fn
@@ -181,10 +168,7 @@ class DataLoader(StatefulDataLoader[T_co]):
         self._slots = ours and workers > 0 and (collate_fn is None or collate_fn is tud.default_collate)
         self._main_ctx = LoaderContext(clock=clock, pin=cuda)
         self.pool: SlotPool | None = None  #: the slots of the workers running now (stagingloader's datasets)
-        self.stats = LoaderStats(choice.note, GpuSampler(dev.index if cuda and dev is not None else None)
-                                 if stats else None)
-        if cuda:
-            log.info("DataLoader: %s", self.stats.path_note)
+        self.stats = LoaderStats("", GpuSampler(dev.index if cuda and dev is not None else None) if stats else None)
         self.epoch = 0
         self.hints = ours and self.readahead > 0 and self._on_disk_tier(dataset)  #: read-ahead hints are sent
         if ours:
@@ -197,30 +181,8 @@ class DataLoader(StatefulDataLoader[T_co]):
         #: over a stage that still streams: tells the stager this rank's order at each epoch start
         self.orders: OrderPublisher | None = OrderPublisher(dataset) if OrderPublisher.wanted(dataset) else None
 
-    def _delegate(self, backend: str, dataset: Any, *args: Any, **kwargs: Any) -> None:
-        """Build the backend's loader and take its attributes, so this object answers as it does."""
-        if backend == "dali":
-            from ..backends.dali import DALILoader
-
-            inner: Any = DALILoader(dataset, *args, **kwargs)
-        else:
-            from ..backends.gds import GdsLoader
-
-            inner = GdsLoader(dataset, *args, **kwargs)
-        self.backend_loader = inner
-        for name in ("dataset", "batch_size", "drop_last", "sampler", "batch_sampler", "generator", "num_workers",
-                     "prefetch_factor", "device", "stats"):
-            object.__setattr__(self, name, getattr(inner, name))
-        self._iterator = None
-
-    def __getattr__(self, name: str) -> Any:
-        inner = self.__dict__.get("backend_loader")
-        if inner is None or name.startswith("__"):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(inner, name)  # a backend's own attributes (DALI's ragged, gds...)
-
     # ---- torch's hooks ---------------------------------------------------------------------------
-    def _get_iterator(self) -> Any:
+    def build_iterator(self, make: Callable[[], Any]) -> Any:
         """Each new set of workers gets its own slot pool and context (old workers may still be finishing)."""
         init = self.worker_init_fn
         if self.num_workers > 0 and isinstance(init, WorkerInit):
@@ -232,7 +194,7 @@ class DataLoader(StatefulDataLoader[T_co]):
                 # freeze the heap while workers fork: their garbage collector then leaves the objects they
                 # inherit alone, instead of writing to (and so copying) every page of them
                 gc.freeze()
-            return super()._get_iterator()
+            return make()
         except RuntimeError as e:  # a worker already died (torch's SIGCHLD handler raises anywhere)
             note_oom(e)
             raise
@@ -241,10 +203,8 @@ class DataLoader(StatefulDataLoader[T_co]):
                 gc.unfreeze()
 
     def __iter__(self) -> LoaderIter:  # type: ignore[override]
-        if self.backend_loader is not None:
-            return iter(self.backend_loader)  # type: ignore[no-any-return]
-        if self._auto_persistent and self.persistent_workers and self._iterator is not None and \
-                not self._initial_iter_for_state_dict:
+        if self._auto_persistent and self.persistent_workers and current_iterator(self) is not None and \
+                not iterator_made_for_state(self):
             # persistent workers were our choice; torch's default (none) draws a worker base seed per
             # epoch: draw it here too, so the samplers see the same random stream and order as torch's
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
@@ -278,30 +238,20 @@ class DataLoader(StatefulDataLoader[T_co]):
         # with persistent workers the user asked for (stagingloader's own choice draws it as torch would)
         between = 0 if self.persistent_workers and not self._auto_persistent and self.num_workers > 0 else 1
         try:
-            self.orders.publish(getattr(inner, "_sampler_iter", None), between=between,
-                                batch_sampler=self.batch_sampler)
+            self.orders.publish(sampler_iterator(inner), between=between, batch_sampler=self.batch_sampler)
         except Exception:
             log.warning("could not tell the streaming stager this loader's order; reads still wait for their "
                         "files", exc_info=True)
 
-    def __len__(self) -> int:
-        if self.backend_loader is not None:
-            return len(self.backend_loader)
-        return super().__len__()
-
     # ---- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torchdata's state of the loader as the loop sees it (batches yielded so far), as JSON-safe values."""
-        if self.backend_loader is not None:
-            return self.backend_loader.state_dict()  # type: ignore[no-any-return]
         out: dict[str, Any] = self._encoder.encode(self.torch_state_dict())
         out[STATE_KEY] = {"epoch": self.epoch}
         return out
 
     def torch_state_dict(self) -> dict[str, Any]:
         """The same state with its tensors as they are: what torchdata's ``StatefulDataLoader`` returns."""
-        if self.backend_loader is not None:
-            return decode_state(self.backend_loader.state_dict())  # type: ignore[no-any-return]
         it = self._live() if self._live is not None else None
         if it is not None and it.state is not None:
             return it.state  # type: ignore[no-any-return]
@@ -309,9 +259,6 @@ class DataLoader(StatefulDataLoader[T_co]):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Make the next ``iter(loader)`` continue where the state was taken (torchdata's states load too)."""
-        if self.backend_loader is not None:
-            self.backend_loader.load_state_dict(state_dict)
-            return
         state = decode_state({k: v for k, v in state_dict.items() if k != STATE_KEY})
         if state:
             check_workers(state, self.num_workers)
@@ -324,30 +271,22 @@ class DataLoader(StatefulDataLoader[T_co]):
     # ---- extras ----------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Pass the epoch to every sampler and dataset that takes one (DistributedSampler...)."""
-        if self.backend_loader is not None:
-            self.backend_loader.set_epoch(epoch)
-            return
         self.epoch = epoch
         pass_epoch(epoch, self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None), self.dataset)
 
     def close(self) -> None:
         """Stop the workers and the read-ahead thread now (also done when the loader is collected)."""
-        if self.backend_loader is not None:
-            self.backend_loader.close()
-            return
         if self._hinter is not None:
             self._hinter.close()
         if self.orders is not None:
             self.orders.close()
-        it = self._iterator
-        self._iterator = None
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if callable(shutdown):
-            shutdown()
+        it = current_iterator(self)
+        forget_iterator(self)
+        shutdown_workers(it)
         if self.pool is not None:
             self.pool.reset()
 
-    def __enter__(self) -> DataLoader[T_co]:
+    def __enter__(self) -> TorchDataLoader[T_co]:
         return self
 
     def __exit__(self, *exc: object) -> None:

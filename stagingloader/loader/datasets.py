@@ -6,7 +6,7 @@ not grow by copy-on-access over an epoch, and both read whole batches at once
 (``__getitems__``) straight into the batch's memory: shared memory inside a worker, so the
 batch crosses to the main process without another copy.  Over a stage that still streams
 (``stage(..., wait=False)``) they read each file only once it is whole and verified, waiting for it
-(and asking the stager for it first) when it is not there yet (:mod:`.streaming`).
+(and asking the stager for it first) when it is not there yet (:mod:`.streamreader`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..errors import UsageError
 from ..staging.result import StagedDataset
 from .arrays import StagedArrays
-from .batches import LazyBatch, empty_batch
+from .collate import LazyBatch, empty_batch
 from .context import current
 from .filetable import FileTable, NpyHeader, npy_header
 from .listing import list_files, root_of
@@ -66,7 +67,11 @@ class StagedFiles(Dataset[Any]):
             keep = [i for i, r in enumerate(rels) if r.endswith(tuple(include))]
             rels, sizes, rows = [rels[i] for i in keep], [sizes[i] for i in keep], rows[keep]
         if not rels:
-            raise ValueError(f"no files in {root}" + (f" ending with {list(include)}" if include else ""))
+            if not found.stream and not Path(root).is_dir():
+                raise UsageError(f"{root} is a file, not a folder: StagedFiles reads a staged dataset or a folder "
+                                 "of files (one sample per file)")
+            raise UsageError(f"no files in {root}" + (f" ending with {list(include)}" if include else "")
+                             + ": is it the folder you staged?")
         self.root = root
         self.stream = found.stream  #: while the stage streams: reads wait for each file through it (else None)
         self._rows = rows

@@ -1,4 +1,8 @@
-"""Turn where the time went into a verdict and a fix."""
+"""Turn where the time went into a verdict and a fix.
+
+It reads the figures :mod:`.stats` keeps (an ``EpochStats``, a loader's ``stats``) and imports nothing of it:
+the stats call :func:`explain` when an epoch stalled, one way.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ if TYPE_CHECKING:
 
 
 SOURCE_BOUND = 0.5  #: a stall is blamed on the source when this share of the loading time waited for files
+STALL_WARNING = 0.10  #: an epoch whose loop waited on data longer than this share of its time stalled
 
 
 def source_bound(e: EpochStats) -> str:
@@ -63,8 +68,6 @@ def diagnose(loader: Any) -> str:
     e = stats.epochs[-1] if stats.epochs else stats.total
     head = (f"data stall {100 * e.stall_fraction:.0f}% of step time over {e.batches} batches "
             f"({e.samples_per_s:.0f} samples/s, waited {e.wait_s:.2f}s of {e.wall_s:.2f}s)")
-    from .stats import STALL_WARNING
-
     if e.gpu_util is not None:
         head += f"; GPU utilisation {e.gpu_util:.0f}%"
         if e.gpu_util < 80 and e.stall_fraction > STALL_WARNING:

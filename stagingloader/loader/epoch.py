@@ -30,6 +30,7 @@ import torch
 import torch.utils.data as tud
 
 from ..errors import UsageError
+from .torchdata_compat import NUM_YIELDED, SNAPSHOT, saved_num_workers, tensor_version
 
 TENSOR_TAG = "__tensor__"
 
@@ -326,7 +327,7 @@ class StateEncoder:
 
     def encode(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            version = int(obj._version)  # bumped by every in-place change
+            version = tensor_version(obj)  # bumped by every in-place change
             for t, v, enc in self._seen:
                 if t is obj and v == version:
                     return dict(enc)
@@ -372,14 +373,10 @@ def decode_state(obj: Any) -> Any:
 
 def check_workers(state: Mapping[str, Any], num_workers: int) -> None:
     """Refuse a state saved with another number of workers (torchdata requires the same number)."""
-    snap = state.get("_snapshot")
-    if snap is not None:
-        saved = int(snap.get("_main_snapshot", {}).get("_num_workers", -1))
-    elif "_num_yielded" in state:
-        saved = 0
-    else:
+    saved = saved_num_workers(state)
+    if saved is None:
         raise StateMismatchError("not a DataLoader state (from loader.state_dict() of stagingloader or of torchdata's "
-                                 "StatefulDataLoader): it has neither '_snapshot' nor '_num_yielded'")
+                                 f"StatefulDataLoader): it has neither '{SNAPSHOT}' nor '{NUM_YIELDED}'")
     if saved != num_workers:
         raise StateMismatchError(f"the state was saved with num_workers={saved} and this loader has num_workers="
                                  f"{num_workers}: load it into a loader with num_workers={saved} (torchdata's "

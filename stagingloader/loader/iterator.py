@@ -17,9 +17,18 @@ import torch
 from .context import LoaderContext, restore, use
 from .slots import SlotBatch, pool_of
 from .stats import batch_len, batch_nbytes
+from .torchdata_compat import (
+    current_iterator,
+    failing_index,
+    forget_iterator,
+    pins_memory,
+    shutdown_workers,
+    worker_processes,
+    workers_shut_down,
+)
 
 if TYPE_CHECKING:
-    from .dataloader import DataLoader
+    from .dataloader import TorchDataLoader
 
 log = logging.getLogger("stagingloader.loader")
 
@@ -123,7 +132,7 @@ def _puller(inner: Any, ctx: LoaderContext | None, pin: bool) -> Callable[[], An
 
 
 def _shut(inner: Any) -> Callable[[], bool]:
-    return lambda: bool(getattr(inner, "_shutdown", False))
+    return lambda: workers_shut_down(inner)
 
 
 def _safe_state(inner: Any) -> Callable[[], Any]:
@@ -142,10 +151,10 @@ class LoaderIter:
     and keeps the state that goes with the last batch the loop got.
 
     torch's iterator attributes (``_workers``, ``_shutdown_workers``, ``_num_yielded``...) are those of
-    the torchdata iterator it wraps (``inner``), reached through this object.
+    the torchdata iterator it wraps (``inner``), reached through this object (:mod:`.torchdata_compat` reads them).
     """
 
-    def __init__(self, loader: DataLoader[Any], inner: Any, ctx: LoaderContext) -> None:
+    def __init__(self, loader: TorchDataLoader[Any], inner: Any, ctx: LoaderContext) -> None:
         self.loader = loader
         self.inner = inner
         self._ctx = ctx
@@ -155,7 +164,7 @@ class LoaderIter:
         dev = loader.device
         if dev is not None and dev.type == "cuda":
             self._stream = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
-        self._pin = (dev is not None and dev.type == "cuda") or bool(getattr(inner, "_pin_memory", False))
+        self._pin = (dev is not None and dev.type == "cuda") or pins_memory(inner)
         self._receiver: _Receiver | None = None
         self._pull_inner = _puller(inner, ctx if loader.num_workers == 0 else None, self._pin)
         self.state: Any = None  #: the loader's state after the last batch yielded, when batches are taken ahead
@@ -276,15 +285,13 @@ class LoaderIter:
         and let the next ``iter(loader)`` start fresh workers."""
         if self._receiver is not None:
             self._receiver.stop.set()  # it may be waiting on the dead worker's batch: it stops at its next look
-        shutdown = getattr(self.inner, "_shutdown_workers", None)
-        if callable(shutdown):
-            shutdown()
+        shut = shutdown_workers(self.inner)
         if self._receiver is not None:
             self._receiver.close(wait=5.0)  # joined and drained: batches it had received give their slots back
-        if self.loader._iterator is self.inner:
-            self.loader._iterator = None
+        if current_iterator(self.loader) is self.inner:
+            forget_iterator(self.loader)
         pool = self.loader.pool
-        if callable(shutdown) and pool is not None:
+        if shut and pool is not None:
             pool.reset()  # torch has joined or terminated every worker: none of them holds a slot any more
         else:
             self._settle()
@@ -303,7 +310,7 @@ class LoaderIter:
     def _dead_workers(self) -> str:
         """Which workers a signal killed, by pid and signal, and what that usually means."""
         out = []
-        for i, w in enumerate(getattr(self.inner, "_workers", ())):
+        for i, w in enumerate(worker_processes(self.inner)):
             w.join(timeout=0.1)
             code = w.exitcode
             if code is not None and code < 0:
@@ -318,23 +325,12 @@ class LoaderIter:
 
     def _annotate(self, e: Exception) -> None:
         """Add the failing sample's index (single process) or batch's number (workers) to the error."""
-        idx = _failing_index(e.__traceback__)
+        idx = failing_index(e.__traceback__)
         cur = self.loader.stats.current
         note = f"stagingloader: while loading sample index {idx}" if idx is not None else \
             f"stagingloader: while loading batch {cur.batches if cur else 0} of epoch {self.loader.epoch}"
         if hasattr(e, "add_note"):
             e.add_note(note)
-
-
-def _failing_index(tb: Any) -> Any:
-    """The index torch's fetcher was fetching when a dataset raised (``idx`` in fetch.py's frame)."""
-    found = None
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code.co_filename.endswith(("fetch.py",)) and "idx" in frame.f_locals:
-            found = frame.f_locals["idx"]
-        tb = tb.tb_next
-    return found
 
 
 def _tree_map(fn: Any, batch: Any) -> Any:

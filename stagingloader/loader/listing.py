@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..cache.layout import DatasetDir, find_dataset_dir
-from ..errors import DatasetNotFoundError, ManifestError, StagerFailedError
+from ..errors import DatasetNotFoundError, ManifestError, StagerFailedError, UsageError
 from ..staging.result import StagedDataset
 from ..streaming import protocol
 from .streamreader import StreamReader, stream_at, stream_of
@@ -36,7 +36,13 @@ def list_files(staged: StagedDataset | str | os.PathLike[str]) -> Listing:
         if reader is None:
             return Listing(staged.root, list(staged.manifest.path), staged.manifest.size.tolist())
         return _streaming(reader)
+    if not isinstance(staged, (str, os.PathLike)):
+        raise UsageError(f"give a StagedDataset (from stagingloader.stage) or a folder's path, not "
+                         f"{type(staged).__name__} {staged!r}")
     path = Path(staged)
+    if not path.exists():
+        raise DatasetNotFoundError(f"{path} does not exist: give the dataset sl.stage() returned, a staged "
+                                   "dataset's folder, or a folder of files")
     try:
         ddir, version = find_dataset_dir(path)
     except ManifestError:  # not a staged dataset: a plain folder, walked

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
+from .torchdata_compat import new_shared_storage
+
 FREE, BUSY = 0, 1
 _tokens = itertools.count(1)
 _pools: weakref.WeakValueDictionary[int, SlotPool] = weakref.WeakValueDictionary()  # main side, by token
@@ -76,7 +78,7 @@ class SlotPool:
         slot = int(free[0])
         storage = self._storages.get(slot)
         if storage is None or storage.nbytes() < nbytes:
-            storage = torch.UntypedStorage._new_shared(max(nbytes, 1))  # type: ignore[no-untyped-call]
+            storage = new_shared_storage(max(nbytes, 1))
             self._storages[slot] = storage
         row[slot] = BUSY
         out: torch.Tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]

@@ -21,13 +21,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from .diagnosis import STALL_WARNING, explain
+
 log = logging.getLogger("stagingloader.loader")
 
 #: Columns of the worker clock.  NOT_STAGED_S: seconds spent waiting for files a streaming stage had not staged
 #: yet (inside the read times, and taken out of them when an epoch is summed up); MISSES: reads that waited so.
 READ_S, DECODE_S, COLLATE_S, FETCH_S, READ_BYTES, BATCHES, NOT_STAGED_S, MISSES = range(8)
 _COLUMNS = 8
-STALL_WARNING = 0.10
 WARN_MIN_BATCHES, WARN_MIN_SECONDS = 20, 1.0  #: shorter epochs are too short to judge
 RECENT_WAITS = 512  #: per epoch, the last waits kept as they were (for plots); the rest is in the histogram
 KEPT_EPOCHS = 1000  #: epochs kept one by one in ``LoaderStats.epochs``; older ones only count in the totals
@@ -341,8 +342,6 @@ class LoaderStats:
 
     def blame(self, e: EpochStats) -> str:
         """The likely cause of a stall and its fix, from where the workers spent their time."""
-        from .diagnosis import explain
-
         return explain(e, self.tier, self.backend)
 
     def _log(self, e: EpochStats) -> None:

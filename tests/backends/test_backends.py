@@ -4,15 +4,19 @@ for one that cannot work."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 import stagingloader as sl
+from stagingloader import dataloader as chooser
 from stagingloader.backends import select
+from stagingloader.backends.order import IndexedLoader
 from stagingloader.backends.select import choose, gds_blocker, gds_eligible
 
 
@@ -164,3 +168,56 @@ def test_auto_never_picks_a_backend_that_would_refuse_the_loaders_options(disk_r
 
     batches = BatchSampler(SequentialSampler(range(len(disk_rows))), 4, drop_last=False)
     assert sl.DataLoader(disk_rows, batch_sampler=batches, worker_init_fn=print).backend_loader is None
+
+
+class _HostRows(IndexedLoader):
+    """A stand-in backend for a node without a GPU: reads the rows of a StagedArrays in this process."""
+
+    backend = "gds"
+
+    def _read(self, batches: Iterable[np.ndarray]) -> Iterator[Any]:
+        for idx in batches:
+            yield torch.stack([torch.as_tensor(self.dataset[int(i)]) for i in idx])
+
+    def close(self) -> None:
+        self._close_order()
+
+
+def _torchs_public_attributes(ds: Any) -> list[str]:
+    """Every public attribute of torch's DataLoader (its own, its properties) and of torchdata's."""
+    names = [a for a in vars(torch.utils.data.DataLoader(ds)) if not a.startswith("_")]
+    names += [n for n, v in vars(torch.utils.data.DataLoader).items()
+              if isinstance(v, property) and not n.startswith("_")]
+    names += [a for a in vars(StatefulDataLoader(ds)) if not a.startswith("_")]
+    return sorted(set(names))
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # a plain torchdata loader, for its attributes
+def test_a_backends_loader_answers_every_attribute_of_torchs(disk_rows: sl.StagedArrays,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """backend='gds' (as auto picks it where GDS works; stood in for here: no GPU) is a torch DataLoader that answers
+    all torch's attributes, not only isinstance(): it used to lack pin_memory, timeout, collate_fn..."""
+    monkeypatch.setattr(select, "gds_blocker", lambda dataset, device, need_cufile=True: "")
+    monkeypatch.setattr(select, "cufile", lambda: ("kvikio", ""))
+    monkeypatch.setitem(chooser.BACKENDS, "gds", _HostRows)
+    loader = sl.DataLoader(disk_rows, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5))
+    inner = loader.backend_loader
+    assert isinstance(inner, _HostRows) and isinstance(loader, torch.utils.data.DataLoader)
+    names = _torchs_public_attributes(disk_rows)
+    assert {"pin_memory", "timeout", "persistent_workers", "collate_fn", "worker_init_fn",
+            "multiprocessing_context", "snapshot_every_n_steps"} <= set(names)
+    missing = [n for n in names if not hasattr(loader, n)]
+    assert missing == []
+    assert loader.sampler is inner.sampler and loader.batch_sampler is inner.batch_sampler
+    assert loader.stats is inner.stats and loader.num_workers == inner.num_workers
+    assert loader.pin_memory is False and loader.timeout == 0 and loader.worker_init_fn is None
+    # and it delegates: same batches as torch's path for the same seed, len, state, set_epoch, close
+    ours = [b.clone() for b in loader]
+    theirs = list(sl.DataLoader(disk_rows, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5),
+                                backend="torch"))
+    assert len(loader) == 3 and all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert loader.state_dict()["_stagingloader"] == {"epoch": 1, "backend": "gds"}
+    loader.set_epoch(7)
+    assert inner.epoch == 7 and loader.epoch == 7
+    with loader:
+        pass  # __exit__ closes the backend's loader

@@ -277,3 +277,21 @@ def test_resume_through_torchdatas_protocol_at_either_end(trees: dict[str, Path]
     rest = list(resumed)  # at the end of an epoch, torchdata's way: the rest of it is empty
     assert _same(head + rest, full[0])
     assert _same(list(resumed), full[1])
+
+
+def test_a_dali_loader_answers_every_attribute_of_torchs(trees: dict[str, Path]) -> None:
+    ds = sl.StagedFiles(trees["npy"], decode="npy")
+    loader = sl.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, prefetch_factor=3, backend="dali")
+    assert isinstance(loader.backend_loader, DALILoader)
+    plain = torch.utils.data.DataLoader(ds)
+    names = {a for a in vars(plain) if not a.startswith("_")}
+    names |= {n for n, v in vars(torch.utils.data.DataLoader).items()
+              if isinstance(v, property) and not n.startswith("_")}
+    assert {"pin_memory", "timeout", "persistent_workers", "collate_fn", "worker_init_fn",
+            "multiprocessing_context"} <= names
+    assert [n for n in sorted(names) if not hasattr(loader, n)] == []
+    # as DALI sees them: its threads and queue depth, torch's sampler order
+    assert (loader.num_workers, loader.prefetch_factor) == (2, 3)
+    assert loader.sampler is loader.backend_loader.sampler and loader.persistent_workers is False
+    assert len(loader) == len(list(loader)) == 6
+    loader.close()
