@@ -1,5 +1,8 @@
-"""Retry transient source errors with exponential back-off; turn the rest into SourceErrors, with no credential
-in any message (:func:`redact`)."""
+"""The retry policy, one for every room: which errors are worth another try (:func:`is_transient`,
+:func:`is_permanent`, :func:`is_unreachable`), the back-off schedule (:class:`Backoff`: doubling, jittered, up to a
+number of tries or a deadline) and the one loop that applies them (:func:`retry_call`).  :func:`call_with_retry`
+is that loop for reading a source: the rest becomes a SourceError, with no credential in any message
+(:func:`redact`).  The checkpoints' transfers and retention use the same loop with their own deadline and words."""
 
 from __future__ import annotations
 
@@ -98,32 +101,106 @@ def as_source_error(exc: BaseException, where: str) -> StagingError:
     return SourceError(f"{where}: {text}")
 
 
-def call_with_retry(fn: Callable[[], T], where: str, policy: RetryPolicy = RetryPolicy(),
-                    stop: threading.Event | None = None) -> T:
-    """Call ``fn``; retry transient failures with jittered back-off; raise a SourceError at the end."""
-    delay = policy.first_delay
-    attempt = 0
+def is_transient(exc: BaseException) -> bool:
+    """Worth another try: anything not :func:`is_permanent` (a busy share, a dropped connection, a 503...)."""
+    return not is_permanent(exc)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Backoff:
+    """When to try again: ``first_delay``, doubled after each failure up to ``max_delay``, each pause jittered by
+    x0.5-1.5 (``jitter=False``: exact); at most ``attempts`` tries (None: until a deadline or a stop)."""
+
+    first_delay: float
+    max_delay: float
+    attempts: int | None = None
+    jitter: bool = True
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """A failed try, as the callbacks of :func:`retry_call` see it."""
+
+    number: int  #: 1 for the first try
+    limit: int | None  #: the tries this error allows (None: no limit)
+    delay: float  #: the back-off before the next try, not jittered
+    pause: float  #: what is slept before the next try: jittered, never past the deadline
+    why: str | None  #: why no further try is made (a GIVE_UP_* reason), None while retrying
+
+
+GIVE_UP_PERMANENT, GIVE_UP_ATTEMPTS, GIVE_UP_DEADLINE, GIVE_UP_STOPPED = "permanent", "attempts", "deadline", "stopped"
+
+
+def retry_call(fn: Callable[[], T], backoff: Backoff, *, transient: Callable[[Exception], bool] = is_transient,
+               attempts_for: Callable[[Exception], int | None] | None = None,
+               min_delay_for: Callable[[Exception], float] | None = None, deadline: float | None = None,
+               stop: threading.Event | None = None,
+               on_retry: Callable[[Exception, Attempt], None] | None = None,
+               give_up: Callable[[Exception, Attempt], BaseException | None] | None = None) -> T:
+    """The one retry loop: call ``fn`` until it returns; after a failure try again as ``backoff`` says, unless
+    the error is not ``transient``, the error's tries are spent (``attempts_for``, default ``backoff.attempts``),
+    ``deadline`` (a ``time.monotonic()`` instant, shared by the calls of one operation) has passed, or ``stop``
+    is set.  ``min_delay_for``: the least back-off an error calls for (raised from there on).  The pause is
+    waited on ``stop`` (set: the next failure ends it).  ``on_retry`` hears each failure that is tried again;
+    when it gives up, ``give_up`` names the error to raise instead (``from`` the original), None: the original.
+    """
+    delay = backoff.first_delay
+    number = 0
     while True:
-        attempt += 1
+        number += 1
         try:
             return fn()
         except Exception as exc:
-            unreachable = is_unreachable(exc)
-            limit = min(policy.attempts, policy.unreachable_attempts) if unreachable else policy.attempts
-            if is_permanent(exc) or attempt >= limit or (stop is not None and stop.is_set()):
-                err = as_source_error(exc, where)
-                if err is exc:  # already ours: keep its own cause (``from exc`` would make it its own cause)
+            limit = attempts_for(exc) if attempts_for is not None else backoff.attempts
+            left = None if deadline is None else deadline - time.monotonic()
+            why = None
+            if not transient(exc):
+                why = GIVE_UP_PERMANENT
+            elif limit is not None and number >= limit:
+                why = GIVE_UP_ATTEMPTS
+            elif left is not None and left <= 0:
+                why = GIVE_UP_DEADLINE
+            elif stop is not None and stop.is_set():
+                why = GIVE_UP_STOPPED
+            if why is not None:
+                err = give_up(exc, Attempt(number, limit, delay, 0.0, why)) if give_up is not None else None
+                if err is None or err is exc:  # the original, with its own cause and traceback
                     raise
-                if attempt > 1 and not isinstance(exc, StagingError):
-                    err = type(err)(f"{err} (gave up after {attempt} attempts)")
                 raise err from exc
-            if unreachable:
-                delay = max(delay, 1.0)
-            # said where a person sees it: a retrying stager is not a hung one
-            log.warning("%s: %s; retrying in %.1f s (attempt %d of %d)", redact(where), redact(_short(exc)), delay,
-                        attempt + 1, limit)
-            time.sleep(delay * random.uniform(0.5, 1.5))
-            delay = min(delay * 2, policy.max_delay)
+            if min_delay_for is not None:
+                delay = max(delay, min_delay_for(exc))
+            pause = delay * random.uniform(0.5, 1.5) if backoff.jitter else delay
+            if left is not None:
+                pause = min(pause, max(left, 0.0))
+            if on_retry is not None:
+                on_retry(exc, Attempt(number, limit, delay, pause, None))
+            if stop is not None:
+                stop.wait(pause)
+            else:
+                time.sleep(pause)
+            delay = min(delay * 2, backoff.max_delay)
+
+
+def call_with_retry(fn: Callable[[], T], where: str, policy: RetryPolicy = RetryPolicy(),
+                    stop: threading.Event | None = None) -> T:
+    """Call ``fn``; retry transient failures with jittered back-off; raise a SourceError at the end."""
+
+    def attempts_for(exc: Exception) -> int:
+        return min(policy.attempts, policy.unreachable_attempts) if is_unreachable(exc) else policy.attempts
+
+    def on_retry(exc: Exception, a: Attempt) -> None:  # said where a person sees it: a retrying stager is not hung
+        log.warning("%s: %s; retrying in %.1f s (attempt %d of %d)", redact(where), redact(_short(exc)), a.delay,
+                    a.number + 1, a.limit)
+
+    def give_up(exc: Exception, a: Attempt) -> BaseException:
+        err = as_source_error(exc, where)
+        if err is not exc and a.number > 1 and not isinstance(exc, StagingError):
+            err = type(err)(f"{err} (gave up after {a.number} attempts)")
+        return err  # already ours: raised as it is, with its own cause
+
+    return retry_call(fn, Backoff(first_delay=policy.first_delay, max_delay=policy.max_delay), stop=stop,
+                      attempts_for=attempts_for, min_delay_for=lambda exc: 1.0 if is_unreachable(exc) else 0.0,
+                      on_retry=on_retry, give_up=give_up)
 
 
 def _short(exc: BaseException) -> str:

@@ -5,8 +5,8 @@ Each run of ``stage`` holds its own lease, a small JSON file under ``<dataset>/l
 - tied to a *process*: ``stagingloader.stage()`` in a training script holds one for its own process;
   the CLI's ``stage`` (which exits right after staging, while the job that called it reads on) holds
   one for its caller, the job script or shell.  A process is its pid *and* its start time (from
-  ``/proc/PID/stat``), so a pid reused by another process does not keep the lease alive; a process
-  lease on this host whose process has ended is stale and removed when seen;
+  ``/proc/PID/stat``, :mod:`..procid`), so a pid reused by another process does not keep the lease alive; a
+  process lease on this host whose process has ended (a zombie has) is stale and removed when seen;
 - *named*: ``slurm-job-<id>`` inside a Slurm job (dropped by the epilog), or ``--lease NAME``, held
   until ``stagingloader release``.
 """
@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .. import procid
 from ..errors import UsageError
 from ..fsio import atomic_write
 from . import trust
@@ -58,17 +59,7 @@ class Lease:
             return False
         if self.pid is None or self.host != socket.gethostname():
             return True
-        return _process_start(self.pid) == self.pid_start
-
-
-def _process_start(pid: int) -> int | None:
-    """The start time of a process (clock ticks since boot), or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
+        return procid.alive(self.pid, self.pid_start)
 
 
 def default_lease_name(env: dict[str, str] | None = None) -> str | None:
@@ -97,7 +88,7 @@ def take(ddir: DatasetDir, version: str, *, name: str | None = None, pid: int | 
         name = f"pid-{socket.gethostname()}-{pid}-{secrets.token_hex(3)}"
     now = time.time()
     lease = Lease(check_name(name), version, current_user(), socket.gethostname(), now, pid,
-                  _process_start(pid) if pid is not None else None, now + ttl if ttl else None)
+                  procid.start_time(pid) if pid is not None else None, now + ttl if ttl else None)
     ddir.leases.mkdir(mode=0o755, exist_ok=True)
     trust.check_folder(ddir.leases, owners=trust.trusted_owners(), what="lease folder")
     atomic_write(ddir.leases / f"{lease.name}.json", json.dumps(asdict(lease)).encode())
@@ -118,7 +109,7 @@ def release(ddir: DatasetDir, name: str) -> bool:
 
 def release_held_by(ddir: DatasetDir, pid: int) -> list[str]:
     """Drop the leases this host's process ``pid`` (the one running now: same start time) holds; their names."""
-    start = _process_start(pid)
+    start = procid.start_time(pid)
     dropped = []
     for lease in live(ddir):
         if lease.pid == pid and lease.pid_start == start and lease.host == socket.gethostname() \

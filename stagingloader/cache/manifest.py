@@ -261,14 +261,9 @@ class Manifest:
     @classmethod
     def parse(cls, raw: bytes | bytearray, where: str) -> Manifest:
         """A manifest of either version from its bytes; ManifestError names what is wrong and the fix."""
-        nl = raw.find(b"\n", 0, 1 << 20)
-        if nl > 0:
-            try:
-                header = json.loads(bytes(raw[:nl]))
-            except (ValueError, UnicodeDecodeError):
-                header = None
-            if isinstance(header, dict) and header.get("version") == 2:
-                return _parse_v2(header, raw, nl + 1, where)
+        header, start = _v2_header(raw)
+        if header is not None:
+            return _decode_v2(header, _Body(memoryview(raw)[start:]), where)
         return _parse_v1(raw, where)
 
 
@@ -342,42 +337,80 @@ def _parse_v1(raw: bytes | bytearray, where: str) -> Manifest:
         raise _corrupt(where, f"a column holds a value of the wrong type: {e}") from None
 
 
-def _parse_v2(header: dict[str, Any], raw: bytes | bytearray, start: int, where: str) -> Manifest:
+def _v2_header(raw: bytes | bytearray) -> tuple[dict[str, Any] | None, int]:
+    """The header of a version-2 manifest (its first line, at most 1 MiB) and where its body starts; (None, 0)
+    when ``raw`` does not start like one (a version-1 document, or anything else)."""
+    nl = raw.find(b"\n", 0, 1 << 20)
+    if nl <= 0:
+        return None, 0
+    try:
+        header = json.loads(bytes(raw[:nl]))
+    except (ValueError, UnicodeDecodeError):
+        return None, 0
+    if not isinstance(header, dict) or header.get("version") != 2:
+        return None, 0
+    return header, nl + 1
+
+
+class _Body:
+    """The body of a version-2 manifest as :func:`_decode_v2` reads it: here the file's bytes, whole, in memory
+    (each column a view of them); :class:`_LikeBody`: read from the file piece by piece, sharing a listing's."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.length = len(view)
+
+    def digest(self) -> str:
+        return dg.digest_bytes(self.view)
+
+    def bytes(self, name: str, at: int, length: int) -> memoryview:
+        return self.view[at:at + length]
+
+    def ints(self, name: str, at: int, length: int) -> Int64Array:
+        return np.frombuffer(self.bytes(name, at, length), dtype="<i8").astype(np.int64, copy=False)
+
+    def strings(self, name: str, blob: memoryview, offsets: Int64Array) -> StrColumn:
+        """The column ``name`` (path, etag) of checked ``offsets`` into ``blob``; all empty: held as no memory."""
+        return StrColumn(blob, offsets) if len(blob) else StrColumn.empty(len(offsets) - 1)
+
+
+def _decode_v2(header: dict[str, Any], body: _Body, where: str) -> Manifest:
+    """The one decoder of version 2: checks the header, the body's size and digest, each column's place and
+    length, the strings' offsets; ManifestError names the first thing wrong."""
     _check_header(header, where)
     n = header.get("files")
     layout = header["columns"]
-    body = memoryview(raw)[start:]
-    if not isinstance(n, int) or n < 0 or header.get("body_bytes") != len(body):
-        raise _corrupt(where, f"{len(body)} bytes of columns where the header says {header.get('body_bytes')}")
+    if not isinstance(n, int) or n < 0 or header.get("body_bytes") != body.length:
+        raise _corrupt(where, f"{body.length} bytes of columns where the header says {header.get('body_bytes')}")
     if not isinstance(layout, dict) or any(not (isinstance(layout.get(c), list) and len(layout[c]) == 2)
                                            for c in _V2_COLUMNS):
         missing = [c for c in _V2_COLUMNS if not isinstance(layout, dict) or c not in layout]
         raise ManifestError(f"manifest {where} lacks the column(s) {', '.join(missing) or 'layout'}")
-    if header.get("body_digest") != dg.digest_bytes(body):
+    if header.get("body_digest") != body.digest():
         raise _corrupt(where, "its columns do not match the digest in its header")
 
-    def col(name: str) -> memoryview:
+    def col(name: str) -> tuple[int, int]:
         at, length = layout[name]
-        if not (isinstance(at, int) and isinstance(length, int) and at >= 0 and at + length <= len(body)):
+        if not (isinstance(at, int) and isinstance(length, int) and at >= 0 and at + length <= body.length):
             raise _corrupt(where, f"column {name} lies outside the file")
-        return body[at:at + length]
+        return at, length
 
     def ints(name: str, count: int) -> Int64Array:
-        data = col(name)
-        if len(data) != 8 * count:
+        at, length = col(name)
+        if length != 8 * count:
             raise ManifestError(f"manifest {where} is inconsistent: column {name} does not have {count} entries")
-        return np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False)
+        return body.ints(name, at, length)
 
     path_off, etag_off = ints("path_offsets", n + 1), ints("etag_offsets", n + 1)
-    path_blob, etag_blob = col("path_blob"), col("etag_blob")
+    path_blob, etag_blob = body.bytes("path_blob", *col("path_blob")), body.bytes("etag_blob", *col("etag_blob"))
     for off, blob, name in ((path_off, path_blob, "path"), (etag_off, etag_blob, "etag")):
         if off[0] != 0 or off[-1] != len(blob) or (n and bool((np.diff(off) < 0).any())):
             raise _corrupt(where, f"the {name} offsets do not describe its strings")
-    digest = col("digest")
+    digest = body.bytes("digest", *col("digest"))
     if len(digest) != 16 * n:
         raise ManifestError(f"manifest {where} is inconsistent: column digest does not have {n} entries")
-    m = Manifest(header.get("source", ""), StrColumn(path_blob, path_off), ints("size", n),
-                 ints("mtime_ns", n), StrColumn(etag_blob, etag_off),
+    m = Manifest(header.get("source", ""), body.strings("path", path_blob, path_off), ints("size", n),
+                 ints("mtime_ns", n), body.strings("etag", etag_blob, etag_off),
                  DigestColumn(np.frombuffer(digest, dtype=np.uint8).reshape(n, 16)), header.get("created", 0.0),
                  sorted_by_bytes=header.get("order") == "bytes")
     if isinstance(header.get("dataset_digest"), str) and dg.is_digest(header["dataset_digest"]):
@@ -398,12 +431,13 @@ class LikeColumns(Protocol):
 
 
 def _load_v2_like(path: str | os.PathLike[str], like: LikeColumns) -> Manifest:
-    """See :meth:`Manifest.load`: the file read once, in order, in 4 MiB pieces, its body digest checked."""
+    """See :meth:`Manifest.load`: the file read once, in order, in 4 MiB pieces, then decoded as any version 2."""
     try:
         with open(path, "rb", buffering=0) as f:
-            return _read_v2_like(f, str(path), like)
+            header, body = _LikeBody.read(f, str(path), like)
     except OSError:
         raise _NotLike() from None
+    return _decode_v2(header, body, str(path))
 
 
 class _Shared:
@@ -429,81 +463,93 @@ class _Shared:
         return self.ref if self.own is None else np.frombuffer(self.own, dtype="<i8").astype(np.int64, copy=False)
 
 
-def _read_v2_like(f: Any, where: str, like: LikeColumns) -> Manifest:
-    head = f.read(1 << 20)
-    nl = head.find(b"\n")
-    try:
-        header = json.loads(head[:nl]) if nl > 0 else None
-    except (ValueError, UnicodeDecodeError):
-        header = None
-    n = header.get("files") if isinstance(header, dict) else None
-    if not isinstance(header, dict) or header.get("version") != 2 or n != len(like.path):
-        raise _NotLike()
-    _check_header(header, where)
-    layout = header.get("columns")
-    if not isinstance(layout, dict) or any(not (isinstance(layout.get(c), list) and len(layout[c]) == 2
-                                                and all(isinstance(v, int) and v >= 0 for v in layout[c]))
-                                           for c in _V2_COLUMNS):
-        raise _NotLike()
-    digest = np.empty((n, 16), dtype=np.uint8)
-    into = {"digest": digest.data.cast("B")}
-    same = {"path_offsets": np.ascontiguousarray(like.path.offsets, dtype="<i8").data.cast("B"),
-            "path_blob": memoryview(like.path.blob).cast("B")}
-    shared = {"size": _Shared(like.size), "mtime_ns": _Shared(like.mtime_ns)}
-    zeros = set()
-    etag_bytes = layout["etag_blob"][1]
-    if etag_bytes:  # an object store's etags: read as they are
+class _LikeBody(_Body):
+    """A version-2 body whose paths are the listing's (byte for byte, same order): read from the file once, in
+    order, a piece at a time and hashed on the way; the paths are compared, never held twice; the sizes and mtimes
+    stay the listing's arrays while they are the same; all-empty etags take no memory.  Anything unusual (another
+    size, other paths, a short file) is :class:`_NotLike`: the file is then read whole, and its errors said there."""
+
+    def __init__(self, like: LikeColumns, length: int, digest: str, columns: dict[str, memoryview],
+                 arrays: dict[str, Int64Array]) -> None:
+        super().__init__(memoryview(b""))
+        self.like, self.length, self._digest, self.columns, self.arrays = like, length, digest, columns, arrays
+
+    def digest(self) -> str:
+        return self._digest
+
+    def bytes(self, name: str, at: int, length: int) -> memoryview:
+        return self.columns[name]
+
+    def ints(self, name: str, at: int, length: int) -> Int64Array:
+        return self.arrays[name]
+
+    def strings(self, name: str, blob: memoryview, offsets: Int64Array) -> StrColumn:
+        return self.like.path if name == "path" else super().strings(name, blob, offsets)
+
+    @classmethod
+    def read(cls, f: Any, where: str, like: LikeColumns) -> tuple[dict[str, Any], _LikeBody]:
+        header, start = _v2_header(f.read(1 << 20))
+        n = header.get("files") if header is not None else None
+        if header is None or n != len(like.path):
+            raise _NotLike()
+        _check_header(header, where)
+        layout = header.get("columns")
+        if not isinstance(layout, dict) or any(not (isinstance(layout.get(c), list) and len(layout[c]) == 2
+                                                    and all(isinstance(v, int) and v >= 0 for v in layout[c]))
+                                               for c in _V2_COLUMNS):
+            raise _NotLike()
+        digest = np.empty((n, 16), dtype=np.uint8)
+        into = {"digest": digest.data.cast("B")}
+        same = {"path_offsets": np.ascontiguousarray(like.path.offsets, dtype="<i8").data.cast("B"),
+                "path_blob": memoryview(like.path.blob).cast("B")}
+        shared = {"size": _Shared(like.size), "mtime_ns": _Shared(like.mtime_ns)}
+        zeros = set()
+        etag_bytes = layout["etag_blob"][1]
         etag_off, etag_blob = np.empty(n + 1, dtype="<i8"), bytearray(etag_bytes)
-        into |= {"etag_offsets": etag_off.data.cast("B"), "etag_blob": memoryview(etag_blob)}
-    else:
-        zeros.add("etag_offsets")  # a local source's etags: all empty, held as no memory per row
-    want = {"path_offsets": 8 * (n + 1), "path_blob": len(like.path.blob), "size": 8 * n, "mtime_ns": 8 * n,
-            "etag_offsets": 8 * (n + 1), "etag_blob": etag_bytes, "digest": 16 * n}
-    if any(layout[c][1] != want[c] for c in _V2_COLUMNS):
-        raise _NotLike()
-    f.seek(nl + 1)
-    hasher = dg.new_hasher()
-    scratch = memoryview(bytearray(4 << 20))
-    pos = 0
-    for name in sorted(_V2_COLUMNS, key=lambda c: layout[c][0]):
-        at, length = layout[name]
-        if at < pos or at - pos >= _ALIGN:
+        if etag_bytes:  # an object store's etags: read as they are
+            into |= {"etag_offsets": etag_off.data.cast("B"), "etag_blob": memoryview(etag_blob)}
+        else:
+            zeros.add("etag_offsets")  # a local source's etags: all empty, held as no memory per row
+            etag_off = np.broadcast_to(np.zeros(1, dtype="<i8"), (n + 1,))
+        want = {"path_offsets": 8 * (n + 1), "path_blob": len(like.path.blob), "size": 8 * n, "mtime_ns": 8 * n,
+                "etag_offsets": 8 * (n + 1), "etag_blob": etag_bytes, "digest": 16 * n}
+        if any(layout[c][1] != want[c] for c in _V2_COLUMNS):
             raise _NotLike()
-        _read_hashed(f, scratch[:at - pos], hasher)  # padding
-        done = 0
-        while done < length:
-            k = min(len(scratch), length - done)
-            if name in into:
-                _read_hashed(f, into[name][done:done + k], hasher)
-            elif name in shared:
-                shared[name].take(f, scratch, done, k, hasher)
-            else:
-                got = _read_hashed(f, scratch[:k], hasher)
-                if name in zeros:
-                    if np.frombuffer(got, dtype=np.uint8).any():
+        f.seek(start)
+        hasher = dg.new_hasher()
+        scratch = memoryview(bytearray(4 << 20))
+        pos = 0
+        for name in sorted(_V2_COLUMNS, key=lambda c: layout[c][0]):
+            at, length = layout[name]
+            if at < pos or at - pos >= _ALIGN:
+                raise _NotLike()
+            _read_hashed(f, scratch[:at - pos], hasher)  # padding
+            done = 0
+            while done < length:
+                k = min(len(scratch), length - done)
+                if name in into:
+                    _read_hashed(f, into[name][done:done + k], hasher)
+                elif name in shared:
+                    shared[name].take(f, scratch, done, k, hasher)
+                else:
+                    got = _read_hashed(f, scratch[:k], hasher)
+                    if name in zeros:
+                        if np.frombuffer(got, dtype=np.uint8).any():
+                            raise _NotLike()
+                    elif not same_bytes(got, same[name][done:done + k]):
                         raise _NotLike()
-                elif not same_bytes(got, same[name][done:done + k]):
-                    raise _NotLike()
-            done += k
-        pos = at + length
-    tail = header.get("body_bytes")
-    if not isinstance(tail, int) or not 0 <= tail - pos < _ALIGN:
-        raise _NotLike()
-    _read_hashed(f, scratch[:tail - pos], hasher)
-    if f.read(1) or header.get("body_digest") != dg.format_digest(hasher):
-        raise _NotLike()
-    if etag_bytes:
-        etag_off = etag_off.astype(np.int64, copy=False)
-        if etag_off[0] != 0 or etag_off[-1] != etag_bytes or bool((np.diff(etag_off) < 0).any()):
+                done += k
+            pos = at + length
+        tail = header.get("body_bytes")
+        if not isinstance(tail, int) or not 0 <= tail - pos < _ALIGN:
             raise _NotLike()
-        etags = StrColumn(etag_blob, etag_off)
-    else:
-        etags = StrColumn.empty(n)
-    m = Manifest(header.get("source", ""), like.path, shared["size"].column(), shared["mtime_ns"].column(), etags,
-                 DigestColumn(digest), header.get("created", 0.0), sorted_by_bytes=header.get("order") == "bytes")
-    if isinstance(header.get("dataset_digest"), str) and dg.is_digest(header["dataset_digest"]):
-        m._dataset_digest = header["dataset_digest"]
-    return m
+        _read_hashed(f, scratch[:tail - pos], hasher)
+        if f.read(1):
+            raise _NotLike()
+        columns = {"path_blob": same["path_blob"], "etag_blob": memoryview(etag_blob), "digest": into["digest"]}
+        arrays = {"path_offsets": like.path.offsets, "etag_offsets": etag_off.astype(np.int64, copy=False),
+                  "size": shared["size"].column(), "mtime_ns": shared["mtime_ns"].column()}
+        return header, cls(like, tail, dg.format_digest(hasher), columns, arrays)
 
 
 def _read_hashed(f: Any, view: memoryview, hasher: Any) -> memoryview:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -174,3 +175,51 @@ def test_a_loaded_manifest_pickles(tmp_path: Path) -> None:
         m.save(tmp_path / "m.json")
         back = pickle.loads(pickle.dumps(Manifest.load(tmp_path / "m.json")))
         assert list(back) == list(m) and back.dataset_digest == m.dataset_digest
+
+
+def _rewrite(path: Path, change: Any) -> None:
+    """Change a version-2 manifest's body with ``change(header, body)``, then seal it again (a new body digest):
+    only the checks after the digest's can find what is wrong."""
+    raw = path.read_bytes()
+    nl = raw.index(b"\n")
+    header, body = json.loads(raw[:nl]), bytearray(raw[nl + 1:])
+    change(header, body)
+    header["body_digest"] = dg.digest_bytes(bytes(body))
+    header["body_bytes"] = len(body)
+    path.write_bytes(json.dumps(header, separators=(",", ":")).encode() + b"\n" + bytes(body))
+
+
+def _poke_int(column: str, row: int, value: int) -> Any:
+    def change(header: dict[str, Any], body: bytearray) -> None:
+        at = header["columns"][column][0] + 8 * row
+        body[at:at + 8] = value.to_bytes(8, "little", signed=True)
+    return change
+
+
+@pytest.mark.parametrize("damage", ["etag offsets", "path offsets", "a column outside", "a size too many"])
+def test_one_decoder_says_the_same_with_or_without_a_listing(tmp_path: Path, damage: str) -> None:
+    """Version 2 has one decoder: a damaged manifest loaded beside its listing (a re-stage) fails as a plain load
+    does, with the same words."""
+    m = _m(3000)
+    m.save(tmp_path / "m.json")
+    listed = Manifest.from_entries("x", list(m))
+    if damage == "etag offsets":
+        _rewrite(tmp_path / "m.json", _poke_int("etag_offsets", 5, 1 << 40))
+    elif damage == "path offsets":
+        _rewrite(tmp_path / "m.json", _poke_int("path_offsets", 5, -1))
+    elif damage == "a column outside":
+        _rewrite(tmp_path / "m.json", lambda h, b: h["columns"]["digest"].__setitem__(0, len(b)))
+    else:
+        _rewrite(tmp_path / "m.json", lambda h, b: h["columns"]["size"].__setitem__(1, h["columns"]["size"][1] + 8))
+    with pytest.raises(ManifestError) as plain:
+        Manifest.load(tmp_path / "m.json")
+    with pytest.raises(ManifestError) as shared:
+        Manifest.load(tmp_path / "m.json", like=listed)
+    assert str(shared.value) == str(plain.value) and "m.json" in str(plain.value)
+
+
+def test_a_plain_load_holds_empty_etags_in_no_memory_too(tmp_path: Path) -> None:
+    m = _local(3000)
+    m.save(tmp_path / "m.json")
+    got = Manifest.load(tmp_path / "m.json")
+    assert got.etag.offsets.strides == (0,) and list(got.etag) == [""] * 3000 and list(got) == list(m)

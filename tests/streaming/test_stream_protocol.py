@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from stagingloader import procid
 from stagingloader.cache.layout import DatasetDir
 from stagingloader.errors import StagerFailedError, UnsafePathError
 from stagingloader.streaming import protocol
@@ -41,13 +42,13 @@ def test_files_round_trip_and_refuse_junk(tmp_path: Path) -> None:
 def test_state_says_when_the_stager_is_gone_or_failed(tmp_path: Path) -> None:
     _, sdir = _ddir(tmp_path)
     assert protocol.read_state(sdir) is None
-    me = protocol.StreamState(pid=os.getpid(), start_time=protocol.process_start(os.getpid()), files_total=2,
+    me = protocol.StreamState(pid=os.getpid(), start_time=procid.start_time(os.getpid()), files_total=2,
                             version="v1")
     me.write(sdir)
     got = protocol.read_state(sdir)
     assert got is not None and got.alive and got.problem("ds") is None and got.version == "v1"
     child = subprocess.Popen([sys.executable, "-c", "pass"])
-    start = protocol.process_start(child.pid)
+    start = procid.start_time(child.pid)
     child.wait()
     gone = protocol.StreamState(pid=child.pid, start_time=start)
     assert not gone.alive and "is gone" in (gone.problem("ds") or "")
@@ -62,7 +63,7 @@ def test_a_killed_stager_not_yet_reaped_is_gone(tmp_path: Path) -> None:
     with its start time, but gone; its readers must fail, not wait for it for ever."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        start = protocol.process_start(child.pid)
+        start = procid.start_time(child.pid)
         assert start is not None and protocol.StreamState(pid=child.pid, start_time=start).alive
         child.kill()
         while b") Z" not in Path(f"/proc/{child.pid}/stat").read_bytes():

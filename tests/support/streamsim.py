@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from stagingloader import procid
 from stagingloader.cache.layout import DatasetDir
 from stagingloader.streaming import protocol
 
@@ -56,7 +57,7 @@ class SimStager:
     def write_state(self, state: str, *, error: str | None = None, pid: int | None = None,
                     start_time: int | None = None, sdir: Path | None = None) -> None:
         pid = os.getpid() if pid is None else pid
-        protocol.StreamState(pid=pid, start_time=protocol.process_start(pid) if start_time is None else start_time,
+        protocol.StreamState(pid=pid, start_time=procid.start_time(pid) if start_time is None else start_time,
                            state=state, error=error, files_done=len(self.copied), files_total=len(self.rels),
                            bytes_total=sum(self.sizes), version=self.version).write(sdir or self.sdir)
 
