@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +12,12 @@ import torch
 
 import stagingloader as sl
 from stagingloader.checkpoints import Checkpoints, TransferPolicy
-from stagingloader.checkpoints.layout import MARKER, OBJECT_FILE, step_name
+from stagingloader.checkpoints.layout import MARKER, OBJECT_FILE, TMP_PREFIX, step_name
 from stagingloader.checkpoints.snapshot import HostSnapshot
 from stagingloader.checkpoints.tiers import complete_steps
 from tests.conftest import mounted_tmpfs
 from tests.support.faultproxy import FaultProxy
 from tests.support.s3server import S3Server
-
-BUCKET = "ckpt"
 
 
 def state(step: int, mib: float = 0.01) -> dict[str, Any]:
@@ -126,13 +122,14 @@ def test_a_peer_nodes_local_copy_is_nearer_than_the_remote(tmp_path: Path) -> No
 
 
 def test_a_full_local_tmpfs_fails_the_save_and_keeps_the_latest_complete(tmp_path: Path) -> None:
-    with mounted_tmpfs(tmp_path / "tiny", "16m") as tiny, Checkpoints(local=tiny, keep_local=2) as ck:
+    with mounted_tmpfs(tmp_path / "tiny", "16m") as mount, Checkpoints(local=mount / "ckpt", keep_local=2) as ck:
+        tiny = mount / "ckpt"  # the tier is a private folder in it (a tmpfs's top is writable by everyone)
         ck.save(1, state(1, mib=3))
         ck.save(2, state(2, mib=3))
         with pytest.raises(sl.NoSpaceError, match="local tier is full"):
             ck.save(3, state(3, mib=20))
         assert steps_in(tiny) == [step_name(1), step_name(2)]
-        assert not [p for p in tiny.rglob("*") if p.name.startswith(".tmp-")]
+        assert not [p for p in tiny.rglob("*") if p.name.startswith((TMP_PREFIX, ".tmp-"))]
         assert ck.latest() == 2 and same(ck.load(), state(2, mib=3))
         ck.save(3, state(3, mib=3))  # and saving goes on once it fits
         assert steps_in(tiny) == [step_name(2), step_name(3)]
@@ -155,21 +152,11 @@ def test_a_drain_that_fails_is_reported_naming_step_and_file(tmp_path: Path) -> 
         assert (tmp_path / "local" / step_name(2) / MARKER).exists()  # undrained: kept locally (protected)
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("AWS_")}
-    server = S3Server().start()
-    try:
-        server.make_bucket(BUCKET)
-        yield server
-    finally:
-        server.stop()
-        os.environ.update(saved)
-
-
-def test_s3_remote_survives_dropped_connections_mid_upload(s3: S3Server, tmp_path: Path) -> None:
+def test_s3_remote_survives_dropped_connections_mid_upload(s3_server: S3Server, s3_bucket: str,
+                                                          tmp_path: Path) -> None:
+    s3 = s3_server
     host, port = s3.endpoint_url.split("//")[1].split(":")
-    url = f"s3://{BUCKET}/drops"
+    url = f"s3://{s3_bucket}/drops"
     with FaultProxy(host, int(port), error_rate=0.15, drop_rate=0.15, seed=3) as proxy:
         opts = s3.storage_options(endpoint_url=proxy.endpoint_url)
         with Checkpoints(local=tmp_path / "local", remote=url, storage_options=opts, keep_remote=2,
@@ -182,9 +169,10 @@ def test_s3_remote_survives_dropped_connections_mid_upload(s3: S3Server, tmp_pat
         assert ck.remote is not None and complete_steps(ck.remote) == [2, 3]
 
 
-def test_s3_permanent_error_leaves_the_step_unmarked(s3: S3Server, tmp_path: Path) -> None:
+def test_s3_permanent_error_leaves_the_step_unmarked(s3_server: S3Server, s3_bucket: str, tmp_path: Path) -> None:
+    s3 = s3_server
     host, port = s3.endpoint_url.split("//")[1].split(":")
-    url = f"s3://{BUCKET}/denied"
+    url = f"s3://{s3_bucket}/denied"
     with FaultProxy(host, int(port), error_rate=0.0, drop_rate=0.0) as proxy:
         ck = Checkpoints(local=tmp_path / "local", remote=url, transfer=TransferPolicy(deadline=5),
                          storage_options=s3.storage_options(endpoint_url=proxy.endpoint_url))

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,7 @@ else:  # Python 3.10
     import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
 from tests.support.docblocks import Block, World, all_blocks, chain, inventory_problems, run_chain
+from tests.support.s3server import S3Server
 
 BLOCKS = all_blocks()
 RUN = [b for b in BLOCKS if b.runs]
@@ -45,35 +47,38 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 
 
 @pytest.fixture(scope="module")
-def s3_world(world: World) -> Iterator[World]:
-    """The world with the real S3 test server behind http://minio:9000, bucket ``bucket`` filled."""
+def s3_world(world: World, s3_server: S3Server) -> World:
+    """The world with the session's S3 test server behind http://minio:9000, bucket ``bucket`` filled."""
     import s3fs
 
-    from tests.support.s3server import S3Server
+    s3_server.new_bucket("bucket")
+    world.fill_bucket(s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options()))
+    world.use_s3(s3_server.endpoint_url, s3_server.access_key, s3_server.secret_key)
+    return world
 
-    server = S3Server().start()
-    try:
-        server.make_bucket("bucket")
-        world.fill_bucket(s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options()))
-        world.use_s3(server.endpoint_url, server.access_key, server.secret_key)
-        yield world
-    finally:
-        server.stop()
+
+def _needs_s3(blocks: list[Block]) -> bool:
+    return any("s3://" in b.code or "minio" in b.code for b in blocks)
 
 
 def _world_for(blocks: list[Block], request: pytest.FixtureRequest) -> World:
-    needs_s3 = any("s3://" in b.code or "minio" in b.code for b in blocks)
-    return request.getfixturevalue("s3_world" if needs_s3 else "world")  # type: ignore[no-any-return]
+    return request.getfixturevalue("s3_world" if _needs_s3(blocks) else "world")  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("block", RUN, ids=[b.name for b in RUN])
+def _params(blocks: list[Block], *, chained: bool = True) -> list[Any]:
+    """The blocks, those that reach the S3 server (through ``_world_for``, unseen at collection) marked s3."""
+    return [pytest.param(b, id=b.name, marks=[pytest.mark.s3] if _needs_s3(chain(b, BLOCKS) if chained else [b])
+                         else []) for b in blocks]
+
+
+@pytest.mark.parametrize("block", _params(RUN))
 def test_doc_block_runs(block: Block, request: pytest.FixtureRequest) -> None:
     blocks = chain(block, BLOCKS)
     run_chain(blocks, _world_for(blocks, request))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block", GPU, ids=[b.name for b in GPU])
+@pytest.mark.parametrize("block", _params(GPU, chained=False))
 def test_doc_gpu_block_runs(block: Block, request: pytest.FixtureRequest) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

@@ -35,9 +35,10 @@ def _npy(a: np.ndarray) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
+def s3(s3_server: S3Server) -> Iterator[S3Server]:
+    """The session's server, with this module's bucket."""
     objects = {k: content(k, n) for k, n in FILES.items()} | {k: _npy(a) for k, a in ARRAYS.items()}
-    with isolated_s3(BUCKET, objects) as server:
+    with isolated_s3(BUCKET, objects, server=s3_server) as server:
         yield server
 
 

@@ -18,7 +18,7 @@ import stagingloader as sl
 from stagingloader.sources.objectio import ObstorePlan, ObstoreReader, plan_obstore
 from stagingloader.sources.source import Source
 from tests.support.faultproxy import FaultProxy
-from tests.support.s3server import S3Server
+from tests.support.s3server import S3Server, isolated_s3
 from tests.support.trees import content
 
 BUCKET = "objio"
@@ -73,17 +73,10 @@ def test_plan_refuses_what_obstore_cannot_do(kw: dict[str, Any], why: str) -> No
 
 
 @pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    server = S3Server().start()
-    try:
-        server.make_bucket(BUCKET)
-        import s3fs
-
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options())
-        fs.pipe({f"{BUCKET}/{k}": content(k, n) for k, n in (SMALL | dict([BIG])).items()})
+def s3(s3_server: S3Server) -> Iterator[S3Server]:
+    """The session's server, with this module's bucket."""
+    with isolated_s3(BUCKET, {k: content(k, n) for k, n in (SMALL | dict([BIG])).items()}, server=s3_server) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _listed(source: Source) -> dict[str, Any]:

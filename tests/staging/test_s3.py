@@ -29,9 +29,11 @@ def _s3fs(server: S3Server) -> Any:
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+def s3(s3_server: S3Server) -> Iterator[S3Server]:
+    """The session's server, with this module's bucket (its tests share it: they read it, and the two that change an
+    object use keys of their own or put it back)."""
     # nothing from the environment may lend credentials to the "no credentials" cases
-    with isolated_s3(BUCKET, {k: content(k, n) for k, n in (SMALL | LARGE).items()}) as server:
+    with isolated_s3(BUCKET, {k: content(k, n) for k, n in (SMALL | LARGE).items()}, server=s3_server) as server:
         fs = _s3fs(server)
         for key, size in MULTIPART.items():
             data = content(key, size)

@@ -4,6 +4,11 @@ Every port the server opens is moved to a free port chosen at start-up, so
 several servers (and other tests) can run side by side.  Authentication is on:
 ``access_key``/``secret_key`` is an admin identity, and ``readonly_key`` /
 ``readonly_secret`` may only read and list ``readonly_bucket``.
+
+The suite starts one server per session (:func:`shared_server`, through the ``s3_server`` fixture of
+tests/conftest.py, on first use) and gives each test module, or test, a bucket of its own
+(:meth:`S3Server.new_bucket`, :func:`isolated_s3`, the ``s3_bucket`` fixture): a bucket name is taken once per
+server, so two modules cannot share one by accident.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -126,6 +132,8 @@ class S3Server:
         self.proc: subprocess.Popen[bytes] | None = None
         self.tmpdir: Path | None = None
         self.ports: dict[str, int] = {}
+        self.buckets: set[str] = set()  # made on this server, by new_bucket()
+        self._buckets_lock = threading.Lock()
 
     @property
     def endpoint_url(self) -> str:
@@ -154,6 +162,25 @@ class S3Server:
 
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options())
         fs.mkdir(name)
+
+    def new_bucket(self, name: str, objects: Mapping[str, bytes] | None = None) -> str:
+        """Create bucket ``name`` holding ``objects`` (key -> bytes) and return its name.
+
+        A name is taken once per server: a second ``new_bucket`` of the same name (another module that picked the
+        same constant, say) fails here, instead of two tests quietly sharing, and overwriting, one bucket.
+        """
+        with self._buckets_lock:
+            if name in self.buckets or name == self.readonly_bucket:
+                raise ValueError(f"bucket {name!r} is already taken on this S3 server: every test module (or test) "
+                                 "has a bucket of its own; pick another name")
+            self.buckets.add(name)
+        self.make_bucket(name)
+        if objects:
+            import s3fs
+
+            fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options())
+            fs.pipe({f"{name}/{k}": v for k, v in objects.items()})
+        return name
 
     def log_tail(self, lines: int = 40) -> str:
         if self.tmpdir is None or not (self.tmpdir / "weed.log").exists():
@@ -276,23 +303,50 @@ class S3Server:
         self.stop()
 
 
+_shared: S3Server | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_server() -> S3Server:
+    """The one server of this process (the test session), started on first use and stopped by
+    :func:`stop_shared_server` (or at exit).  Tests reach it through the ``s3_server`` fixture, which marks them."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = S3Server().start()
+        elif not _shared.running():  # its buckets are gone with it: say so, rather than start an empty one
+            raise RuntimeError(f"the session's S3 server exited\n--- log tail ---\n{_shared.log_tail()}")
+        return _shared
+
+
+def stop_shared_server() -> None:
+    global _shared
+    with _shared_lock:
+        server, _shared = _shared, None
+    if server is not None:
+        server.stop()
+
+
 @contextlib.contextmanager
-def isolated_s3(bucket: str, objects: Mapping[str, bytes] | None = None) -> Iterator[S3Server]:
-    """A started server with ``bucket`` holding ``objects``, while no AWS_* variable or AWS config file of this
-    machine can lend credentials to a test (they are put back after)."""
+def isolated_env() -> Iterator[None]:
+    """While it lasts, no AWS_* variable or AWS config file of this machine can lend credentials to a test (they are
+    put back after)."""
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("AWS_")}
     os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = "/nonexistent"
-    server = S3Server().start()
     try:
-        import s3fs
-
-        server.make_bucket(bucket)
-        if objects:
-            fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options())
-            fs.pipe({f"{bucket}/{k}": v for k, v in objects.items()})
-        yield server
+        yield
     finally:
-        server.stop()
-        os.environ.pop("AWS_CONFIG_FILE")
-        os.environ.pop("AWS_SHARED_CREDENTIALS_FILE")
+        for k in [k for k in os.environ if k.startswith("AWS_")]:
+            del os.environ[k]
         os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def isolated_s3(bucket: str, objects: Mapping[str, bytes] | None = None, *,
+                server: S3Server | None = None) -> Iterator[S3Server]:
+    """``server`` (by default the session's :func:`shared_server`) with a new bucket ``bucket`` holding ``objects``,
+    in an :func:`isolated_env`: no AWS_* variable or AWS config file of this machine lends credentials."""
+    with isolated_env():
+        server = server or shared_server()
+        server.new_bucket(bucket, objects)
+        yield server

@@ -29,10 +29,10 @@ MiB = 2**20
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[S3Server]:
-    with S3Server() as srv:
-        srv.make_bucket(BUCKET)
-        yield srv
+def server(s3_server: S3Server) -> S3Server:
+    """The session's server, with this module's bucket."""
+    s3_server.new_bucket(BUCKET)
+    return s3_server
 
 
 def make_fs(server: S3Server, **overrides: Any) -> Any:
