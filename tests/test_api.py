@@ -21,7 +21,7 @@ def test_exported_names_are_pinned() -> None:
         "SourceAccessError", "SourceChangedError", "SourceError", "SourceNotFoundError", "StageOptions",
         "StagePlan", "StageReport", "StageTimeoutError", "StagedArrays", "StagedDataset", "StagedFiles",
         "StagerFailedError", "StagingError", "UnsafePathError", "UsageError", "VerificationError", "VerifyReport",
-        "__version__", "diagnose", "stage", "verify", "write_manifest",
+        "__version__", "diagnose", "dry_run", "stage", "verify", "write_manifest",
     ]
     for name in sl.__all__:
         assert hasattr(sl, name)

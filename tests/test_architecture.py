@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "stagingloader"
-TORCH_ROOMS = ("loader", "backends", "checkpoints")
+#: the rooms that may import torch; ``dataloader`` is the one module above ``loader/`` and ``backends/`` that
+#: chooses between them (the public DataLoader), loaded on first use like them
+TORCH_ROOMS = ("loader", "backends", "checkpoints", "dataloader")
 HEAVY = ("torch", "nvidia.dali", "kvikio")
 #: modules outside the torch rooms that may reach torch and the loader lazily, inside a function, and why
 LAZY_LOADER_USERS = {
@@ -31,8 +33,9 @@ def _modules() -> list[Path]:
 
 
 def _room(path: Path) -> str:
+    """A module's room: its folder under the package, or, for a module at the package's root, its own name."""
     rel = path.relative_to(PKG)
-    return rel.parts[0] if len(rel.parts) > 1 else ""
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
 def _imports(path: Path) -> list[tuple[str, list[str], bool]]:
@@ -89,7 +92,7 @@ def test_modules_outside_the_torch_rooms_load_no_torch() -> None:
 
 def test_the_cache_never_imports_the_pipeline() -> None:
     allowed = ("stagingloader.cache", "stagingloader.errors", "stagingloader.fsio", "stagingloader.units",
-               "stagingloader.digest")
+               "stagingloader.digest", "stagingloader.procid", "stagingloader.retry")  # the ground floor
     bad = [f"{_rel(p)} imports {target}" for p in _modules() if _room(p) == "cache"
            for mod, names, _ in _imports(p)
            for target in ([f"{mod}.{n}" for n in names] if mod == "stagingloader" else [mod])
@@ -109,7 +112,8 @@ def test_no_module_imports_another_modules_private_names() -> None:
     assert bad == []
 
 
-@pytest.mark.parametrize("room", ["staging", "cache", "advice", "cli", "loader", "backends", "slurm"])
+@pytest.mark.parametrize("room", ["sources", "engine", "staging", "streaming", "cache", "advice", "cli", "loader",
+                                  "backends", "slurm", "checkpoints"])
 def test_every_room_exists_and_says_what_it_holds(room: str) -> None:
     init = PKG / room / "__init__.py"
     assert ast.get_docstring(ast.parse(init.read_text())), f"{init} needs a docstring saying what the room holds"
@@ -121,3 +125,158 @@ def test_the_floor_plan_is_documented() -> None:
     actual = {str(p.relative_to(PKG)) for p in _modules() if p.name not in ("__init__.py", "__main__.py")}
     assert actual - documented == set(), "modules missing from docs/architecture.md"
     assert documented - actual == set(), "docs/architecture.md names modules that do not exist"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (lazy imports in functions too; ``TYPE_CHECKING`` ones set aside)."""
+    modules = {_module_name(p): p for p in _modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = {id(n) for node in ast.walk(tree)
+                       if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                       for n in ast.walk(node)}
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) \
+                    if node.level else (node.module or "")
+                targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                out.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle() -> None:
+    graph = _import_graph()
+    assert len(graph) > 30 and any(graph.values())
+    assert _circles(graph) == []
+
+
+def test_a_circle_is_found_where_there_is_one() -> None:  # the check itself can fail
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+#: the pipeline's rooms in the order data flows: a room imports only the rooms before it
+PIPELINE = ("sources", "engine", "staging", "streaming")
+
+
+def test_the_pipeline_rooms_import_only_upstream() -> None:
+    bad = []
+    for name, targets in _import_graph().items():
+        room = name.split(".")[1] if name.count(".") >= 2 else ""
+        if room not in PIPELINE:
+            continue
+        later = PIPELINE[PIPELINE.index(room) + 1:]
+        bad += [f"{name} imports {t}" for t in sorted(targets) if t.split(".")[1] in later]
+    assert bad == []
+
+
+def test_the_loader_does_not_import_the_backends() -> None:
+    bad = [f"{name} imports {t}" for name, targets in _import_graph().items() if name.startswith("stagingloader.loader")
+           for t in sorted(targets) if t.startswith("stagingloader.backends")]
+    assert bad == []
+
+
+def test_no_room_holds_more_than_15_modules() -> None:
+    sizes = {room.name: len([p for p in room.glob("*.py") if p.name != "__init__.py"])
+             for room in PKG.iterdir() if (room / "__init__.py").exists()}
+    assert len(sizes) >= 10
+    assert {room: n for room, n in sizes.items() if n > 15} == {}
+
+
+def test_one_module_reads_a_process_identity() -> None:
+    """``/proc/PID/stat`` (a process's start time and state) is read in ``procid.py`` alone: one rule of when a
+    process is gone (a zombie is), not one copy per room."""
+    readers = set()
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.JoinedStr):
+                text = "".join(v.value for v in node.values if isinstance(v, ast.Constant) and isinstance(v.value, str))
+                if text.startswith("/proc/") and text.endswith("/stat"):
+                    readers.add(_rel(path))
+    assert readers == {"stagingloader/procid.py"}
+
+
+ADAPTER = "stagingloader/loader/torchdata_compat.py"
+#: private names of other libraries reached outside the torchdata adapter, and why they are not torchdata's
+OTHER_PRIVATE = {
+    "_C": "torch._C: the cuFile check in backends/select.py (torch's, not torchdata's)",
+    "_gds_register_handle": "torch._C's cuFile registration, probed in backends/select.py",
+    "_mmap": "numpy.memmap's mapping, closed early in loader/arrays.py",
+}
+
+
+def test_torchdata_is_imported_by_its_adapter_alone() -> None:
+    bad = [f"{_rel(p)} imports {mod}" for p in _modules() if _rel(p) != ADAPTER
+           for mod, _names, _ in _imports(p) if mod == "torchdata" or mod.startswith("torchdata.")]
+    assert bad == []
+
+
+def test_private_names_of_torch_and_torchdata_are_reached_only_through_the_adapter() -> None:
+    """Outside the adapter, every ``x._name`` the loader reaches is one the package itself defines (its own
+    attributes and methods), so a torchdata release that moves a private field breaks one module, whose tests
+    say which field."""
+    ours: set[str] = set()  #: the names the package defines (what the adapter sets is torchdata's, not ours)
+    for path in _modules():
+        if _rel(path) == ADAPTER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                ours.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                ours.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                ours.add(node.id)
+            elif isinstance(node, ast.arg):
+                ours.add(node.arg)
+    bad = []
+    for path in _modules():
+        if _room(path) not in ("loader", "backends", "dataloader") or _rel(path) == ADAPTER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and node.attr not in ours and node.attr not in OTHER_PRIVATE:
+                bad.append(f"{_rel(path)}:{node.lineno} .{node.attr}")
+    assert bad == []

@@ -20,28 +20,51 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
+import pickle
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .. import digest as dg
 from ..cache.manifest import Manifest
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, DrainError, UsageError
-from .api import Checkpoints
+from .drain import Drainer
 from .layout import marker_files, marker_for, step_name
-from .tiers import CHUNK, FolderTier, hash_file_on, is_complete
-from .transfer import copy_step
+from .tiers import CHUNK, FolderTier, Tier, hash_file_on, is_complete
+from .transfer import TransferPolicy, copy_step
 
 log = logging.getLogger(__name__)
 METADATA = ".metadata"
 Files = dict[str, tuple[int, str]]
+
+
+class Checkpoints(Protocol):
+    """What the DCP storage needs of a :class:`~.api.Checkpoints` (which hands itself over in ``dcp_writer`` and
+    ``dcp_reader``): its tiers, policy and drain thread, its pins and retention.  Declared here, so this module
+    does not import :mod:`.api`, which imports it (lazily) to make the writer and the reader."""
+
+    local: FolderTier
+    remote: Tier | None
+    policy: TransferPolicy
+    drainer: Drainer
+    dcp_group: Any  #: the gloo group of the DCP drains, made on first use (:func:`drain_group`)
+
+    def pin(self, step: int) -> None: ...
+
+    def unpin(self, step: int) -> None: ...
+
+    def latest(self) -> int | None: ...
+
+    def remote_complete(self, step: int) -> None: ...
+
+    def apply_retention(self, *, remote: bool = False) -> None: ...
 
 
 def drain_group(ck: Checkpoints) -> Any:
@@ -77,6 +100,7 @@ class TieredWriter(FileSystemWriter):
         if ck.local.read_marker(step) is not None:
             raise UsageError(f"{ck.local.url}/{step_name(step)} is already a complete checkpoint; "
                              "save under a new step")
+        ck.local.make_step(step)  # 0700, checked: DCP's own makedirs then finds it there
         super().__init__(ck.local.step_dir(step), sync_files=ck.local.fsync, overwrite=True)
         self.ck, self.step = ck, step
         self.group = drain_group(ck)
@@ -168,6 +192,9 @@ class TieredReader(FileSystemReader):
         ck, step, files = self.ck, self.step, marker_files(self.marker)
         buf = bytearray(CHUNK)
         for rel in sorted(set(rels) - self._verified):
+            if rel not in files:
+                raise CheckpointCorruptError(f"{ck.local.url}/{step_name(step)}: DCP's metadata names {rel!r}, which "
+                                             "its commit marker does not: this checkpoint is not what was saved")
             size, digest = files[rel]
             with contextlib.suppress(FileNotFoundError):
                 if hash_file_on(ck.local, step, rel, buf) == (digest, size):
@@ -175,19 +202,34 @@ class TieredReader(FileSystemReader):
                     continue
                 log.warning("%s/%s/%s does not match its marker; fetching it again", ck.local.url,
                             step_name(step), rel)
-                os.unlink(ck.local.step_dir(step) / rel)
+                ck.local.remove_file(step, rel)
             if ck.remote is None or ck.remote.read_marker(step) is None:
                 raise CheckpointCorruptError(f"{ck.local.url}/{step_name(step)}/{rel} is missing or corrupt and no "
                                              "remote holds a complete copy of this step")
-            ck.local.step_dir(step).mkdir(parents=True, exist_ok=True)
+            ck.local.make_step(step)
             copy_step(ck.remote, ck.local, step, self.marker, ck.policy, files=[rel], write_marker=False)
             self._verified.add(rel)
         if self._verified >= set(files) and ck.local.read_marker(step) is None:
             ck.local.write_marker(step, self.marker)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        self._ensure([METADATA])
-        return super().read_metadata(*args, **kwargs)
+        """DCP's ``.metadata`` (a pickle): read from the local tier (which the trust rule holds), verified against
+        the marker, and only then unpickled, from the very bytes that were verified."""
+        rank = kwargs.get("rank")
+        rel = METADATA if rank is None else f"__{rank}{METADATA}"
+        self._ensure([rel])
+        size, digest = marker_files(self.marker)[rel]
+        with self.ck.local.open_read(self.step, rel) as f:
+            data = f.read(size + 1)
+        if len(data) != size or dg.digest_bytes(data) != digest:
+            self._verified.discard(rel)
+            raise CheckpointCorruptError(f"{self.ck.local.url}/{step_name(self.step)}/{rel} changed after it was "
+                                         "verified; it was not read")
+        metadata = pickle.loads(data)  # verified against the marker, on a trusted tier (docs/security.md)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return cast(Metadata, metadata)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self._ensure(self.storage_data[item.storage_index].relative_path for item in plan.items)

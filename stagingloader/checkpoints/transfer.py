@@ -9,7 +9,6 @@ committed under its name; the destination's marker is written only after every f
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -18,8 +17,8 @@ from dataclasses import dataclass
 
 from .. import digest as dg
 from ..cache.manifest import Manifest
-from ..errors import CheckpointCorruptError, DrainError, StagingError, UsageError
-from ..retry import is_permanent
+from ..errors import CacheError, CheckpointCorruptError, DrainError, StagingError, UsageError
+from ..retry import GIVE_UP_PERMANENT, Attempt, Backoff, is_transient, retry_call
 from .drain import lower_priority
 from .layout import MARKER, step_name
 from .tiers import CHUNK, Tier, hash_file_on
@@ -118,30 +117,28 @@ def _copy_file(src: Tier, dst: Tier, step: int, rel: str, size: int, digest: str
 
 def _with_retry(fn: Callable[[], None], src: Tier, dst: Tier, step: int, rel: str, deadline: float,
                 policy: TransferPolicy, stop: threading.Event | None) -> None:
-    delay = policy.first_delay
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            fn()
-            return
-        except Exception as exc:
-            where = f"{step_name(step)}/{rel}"
-            if isinstance(exc, (Stopped, CheckpointCorruptError)):
-                raise
-            left = deadline - time.monotonic()
-            if is_permanent(exc) or left <= 0 or (stop is not None and stop.is_set()):
-                why = "a permanent error" if is_permanent(exc) else f"{attempt} attempts, past its deadline"
-                raise DrainError(
-                    f"step {step}: could not copy {where} from {src.url} to {dst.url}: "
-                    f"{type(exc).__name__}: {exc} (gave up after {why}); the checkpoint stays complete on "
-                    f"{src.url}; finish it with `stagingloader ckpt drain`"
-                ) from exc
-            pause = min(delay * random.uniform(0.5, 1.5), max(left, 0.0))
-            log.info("copy of %s to %s failed (attempt %d: %r); retrying in %.1fs", where, dst.url, attempt, exc,
-                     pause)
-            if stop is not None:
-                stop.wait(pause)
-            else:
-                time.sleep(pause)
-            delay = min(delay * 2, policy.max_delay)
+    """``fn`` under the retry policy (:func:`..retry.retry_call`): until ``deadline`` for transient errors; a
+    stop, a corrupt source or a permanent error ends it at once."""
+    where = f"{step_name(step)}/{rel}"
+
+    def on_retry(exc: Exception, a: Attempt) -> None:
+        log.info("copy of %s to %s failed (attempt %d: %r); retrying in %.1fs", where, dst.url, a.number, exc,
+                 a.pause)
+
+    def give_up(exc: Exception, a: Attempt) -> BaseException | None:
+        if isinstance(exc, (Stopped, CheckpointCorruptError, CacheError)):
+            return None  # raised as they are (a folder that fails the trust rule names itself)
+        why = "a permanent error" if a.why == GIVE_UP_PERMANENT else f"{a.number} attempts, past its deadline"
+        return DrainError(
+            f"step {step}: could not copy {where} from {src.url} to {dst.url}: "
+            f"{type(exc).__name__}: {exc} (gave up after {why}); the checkpoint stays complete on "
+            f"{src.url}; finish it with `stagingloader ckpt drain`"
+        )
+
+    retry_call(fn, Backoff(first_delay=policy.first_delay, max_delay=policy.max_delay), deadline=deadline,
+               stop=stop, transient=_transient, on_retry=on_retry, give_up=give_up)
+
+
+def _transient(exc: Exception) -> bool:
+    """A stopped copy or a corrupt source is never tried again; else the retry policy's rule."""
+    return not isinstance(exc, (Stopped, CheckpointCorruptError, CacheError)) and is_transient(exc)

@@ -259,7 +259,7 @@ class Worker:
     def _read_local(self, f: SourceFile, path: str, out_fd: int) -> tuple[int, int, str]:
         """Copy a local file into ``out_fd``; return the (mtime_ns, size, digest) copied.
 
-        The bytes are one state of the file the listing named, or the file is refused (see :mod:`.stable`).
+        The bytes are one state of the file the listing named, or the file is refused (see :mod:`..sources.stable`).
         A transient error of a mounted share (EIO, ESTALE...) starts the copy again, with back-off.
         """
         try:  # the first try runs bare: the retry machinery costs a few us a file, and only a failure needs it

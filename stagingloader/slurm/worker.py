@@ -2,8 +2,9 @@
 
 Reads one JSON operation on stdin, writes one JSON answer on stdout.  Operations:
 ``stage`` (pick a root among candidates, stage, take the job's lease), ``access`` (can this user
-read every file of the source?), ``release`` (drop the job's lease; with ``cleanup``, remove a
-dataset that never got a complete version), ``gc`` (evict under a byte budget).
+read every file of the source?), ``release`` (drop the job's lease, and the named leases runs inside
+the job noted on a streaming stage; with ``cleanup``, remove a dataset that never got a complete
+version), ``gc`` (evict under a byte budget).
 """
 
 from __future__ import annotations
@@ -11,36 +12,33 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import stat
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..cache import housekeeping, leases
-from ..cache.capacity import tier_of
-from ..cache.layout import DatasetDir, dataset_key
+from ..cache.capacity import resolve_root
+from ..cache.layout import DatasetDir, current_user, dataset_key
 from ..cache.locking import DatasetLock
 from ..errors import NoSpaceError, StagingError, UsageError
 from ..sources.source import Source
 from ..staging.result import StagedDataset
-from ..staging.sharding import take_shard
-from ..staging.stager import StageOptions, StagePlan, run_stage
+from ..staging.stager import StageOptions, StagePlan, dataset_identity, open_run, run_stage
+from ..streaming import protocol
 
 
 def _stage(op: dict[str, Any]) -> dict[str, Any]:
     os.umask(0o022 if op.get("shared") else 0o077)
     shard = (int(op["shard"][0]), int(op["shard"][1])) if op.get("shard") else None
-    source = Source(op["src"])
-    listing = take_shard(source.listing(), shard)
-    total = sum(f.size for f in listing)
     roots = [Path(r) for r in op["roots"]]
-    fraction = float(op.get("max_ram_fraction", 0.5))
-    chosen = next((r for r in roots if tier_of(r, fraction).budget >= total), None)
-    if chosen is None:
-        chosen = roots[-1]
-    opts = StageOptions(root=str(chosen), lease=op["lease"], shard=shard,
-                        lock_timeout=op.get("lock_timeout"), max_ram_fraction=fraction)
+    opts = StageOptions(root=str(roots[0]), lease=op["lease"], shard=shard, lock_timeout=op.get("lock_timeout"),
+                        max_ram_fraction=float(op.get("max_ram_fraction", 0.5)))
+    chosen = choose_root(op["src"], opts, roots) if len(roots) > 1 else roots[0]
+    opts = replace(opts, root=str(chosen))
     try:
         if op.get("wait", True) is False:  # wait=no: a detached streaming stager under the job's lease; it stops
             from ..streaming.handle import stage_streaming  # when the epilog drops that lease
@@ -60,6 +58,21 @@ def _stage(op: dict[str, Any]) -> dict[str, Any]:
             "streaming": ds.streaming}
 
 
+def choose_root(src: str, opts: StageOptions, roots: list[Path]) -> Path:
+    """The first of ``roots`` (the site's, in order) with room for the dataset, else the last (whose stage then
+    says it does not fit).  Measured as the stage measures its root: :func:`open_run` lists this node's shard
+    of the source and measures the first root, :func:`resolve_root` checks and measures each other one."""
+    run, _identity = open_run(src, opts, env={}, on_event=lambda _: None, dry_run=True)
+    needed = run.listing.total_bytes
+    for root in roots:
+        tier = run.tier if root == roots[0] else resolve_root(
+            str(root), needed, run.ddir.path.name, max_ram_fraction=opts.max_ram_fraction, env={},
+            user=current_user(), create=False)[0]
+        if tier.budget >= needed:
+            return root
+    return roots[-1]
+
+
 def _access(op: dict[str, Any]) -> dict[str, Any]:
     source = Source(op["src"])
     files = source.listing()
@@ -71,14 +84,13 @@ def _access(op: dict[str, Any]) -> dict[str, Any]:
 
 
 def datasets_for(src: str, shard: list[int] | None, roots: list[str]) -> list[str]:
-    """The dataset folders a request for ``src`` (and ``shard``) uses in each of ``roots``."""
+    """The dataset folders a request for ``src`` (and ``shard``) uses in each of ``roots``: as the stage names them."""
     try:
-        identity = Source(src).identity()
+        opts = StageOptions(shard=(int(shard[0]), int(shard[1])) if shard else None)
+        key = dataset_key(dataset_identity(Source(src), opts))
     except (StagingError, OSError, ValueError):
         return []
-    if shard:
-        identity += f"?shard={shard[0]}/{shard[1]}"
-    return [str(Path(r) / dataset_key(identity)) for r in roots]
+    return [str(Path(r) / key) for r in roots]
 
 
 def _release(op: dict[str, Any]) -> dict[str, Any]:
@@ -86,11 +98,19 @@ def _release(op: dict[str, Any]) -> dict[str, Any]:
     found = [op["dataset_dir"]] if op.get("dataset_dir") else datasets_for(op["src"], op.get("shard"), op["roots"])
     answers = [_release_one(DatasetDir(Path(dd)), op) for dd in found]
     return {"ok": True, "released": [a["released"] for a in answers], "removed": [a["removed"] for a in answers],
-            "datasets": found}
+            "named": [n for a in answers for n in a["named"]], "datasets": found}
 
 
 def _release_one(ddir: DatasetDir, op: dict[str, Any]) -> dict[str, Any]:
     dropped = leases.release(ddir, op["lease"])
+    named: list[str] = []
+    job, version = str(op.get("job") or ""), op.get("version")
+    if job:  # named leases taken in the job on its stream (``stage --no-wait --lease NAME``): they go with the job's
+        version = version if isinstance(version, str) and re.fullmatch(r"v\d+", version) else None
+        for name in protocol.job_leases(ddir, job, version):
+            with contextlib.suppress(UsageError, OSError):
+                if leases.release(ddir, name):
+                    named.append(name)
     removed = False
     if op.get("cleanup") and ddir.path.is_dir() and not ddir.path.is_symlink():
         lock = DatasetLock(ddir.lock_file, timeout=0)
@@ -103,7 +123,7 @@ def _release_one(ddir: DatasetDir, op: dict[str, Any]) -> dict[str, Any]:
                     shutil.rmtree(ddir.incoming, ignore_errors=True)
             finally:
                 lock.release()
-    return {"ok": True, "released": dropped, "removed": removed}
+    return {"ok": True, "released": dropped, "removed": removed, "named": named}
 
 
 def _gc(op: dict[str, Any]) -> dict[str, Any]:

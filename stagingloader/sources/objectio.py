@@ -306,7 +306,7 @@ def _info(name: str, meta: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def translate(exc: Exception, path: str, tag: str) -> Exception:
-    """An obstore error as the exception the rest of stagingloader knows (see :mod:`.retry`)."""
+    """An obstore error as the exception the rest of stagingloader knows (see :mod:`..retry`)."""
     from obstore import exceptions as ox
 
     if not isinstance(exc, ox.BaseError):

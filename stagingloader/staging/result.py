@@ -12,7 +12,25 @@ from ..cache.layout import DatasetDir
 from ..cache.manifest import Manifest
 
 if TYPE_CHECKING:
-    from ..streaming.handle import StreamHandle, StreamProgress
+    from ..streaming.handle import StreamHandle
+
+
+@dataclass(frozen=True)
+class StreamProgress:
+    """How far a streaming stage is: ``ds.progress``."""
+
+    files_done: int
+    files_total: int
+    bytes_done: int
+    bytes_total: int
+    state: str
+    error: str | None = None
+    evicted_files: int = 0
+    cache_limit: int | None = None
+
+    @property
+    def fraction(self) -> float:
+        return self.bytes_done / self.bytes_total if self.bytes_total else 1.0
 
 
 @dataclass(frozen=True)
@@ -108,8 +126,6 @@ class StagedDataset:
         """How far the stage is (files and bytes done, state, error); a finished stage is complete."""
         if self.stream is not None:
             return self.stream.progress()
-        from ..streaming.handle import StreamProgress
-
         n, b = len(self.manifest), self.manifest.total_bytes
         return StreamProgress(n, n, b, b, "complete")
 

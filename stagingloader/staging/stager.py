@@ -1,11 +1,11 @@
 """``stage()``: list, plan, copy, publish.  Each step lives in its own module; this one sequences them.
 
-1. list the source (``sources``) and pick the root (``capacity``);
-2. under the dataset's lock (``locking``): check the published version (``verify``) and what an
-   interrupted run left (``incoming``), and plan (``planning``, pure);
-3. refuse if it does not fit; else hard-link unchanged files and copy the rest (``copying``);
+1. list the source (:mod:`..sources`) and pick the root (:mod:`..cache.capacity`);
+2. under the dataset's lock (:mod:`..cache.locking`): check the published version (:mod:`.verify`) and what an
+   interrupted run left (:mod:`..engine.incoming`), and plan (:mod:`.copyplan`, pure);
+3. refuse if it does not fit; else hard-link unchanged files and copy the rest (:mod:`..engine.copier`);
 4. write the manifest, rename ``incoming`` to a new version and switch ``current`` to it;
-5. take a lease (``leases``) and remove old versions nobody leases.
+5. take a lease (:mod:`..cache.leases`) and remove old versions nobody leases.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from ..errors import CacheError, InternalError, ManifestError, NoSpaceError, Roo
 from ..sources.listing import Listing
 from ..sources.scanning import BackgroundScan
 from ..sources.source import Source
-from ..units import human_bytes
+from ..units import human_bytes, parse_bytes
 from .copyplan import CORRUPT, CopyPlan, make_plan
 from .result import StagedDataset, StageReport
 from .sharding import take_shard
@@ -62,10 +62,15 @@ class StageOptions:
     fsync: bool | None = None
     max_ram_fraction: float = 0.5
     lock_timeout: float | None = 3600.0
-    dry_run: bool = False
     shard: tuple[int, int] | None = None
     lease: str | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
+    #: False: return once the source is listed, a detached stager copying in the readers' order (streaming)
+    wait: bool = True
+    #: with ``wait=False``: the bytes the run may keep on the tier (a size such as ``"16G"`` is read as bytes)
+    cache_limit: int | None = None
+    #: one process per node stages (torchrun or srun ranks), the others wait and get the same dataset
+    distributed: bool = False
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude"):  # one pattern given as a string is one pattern, not its characters
@@ -93,6 +98,29 @@ class StageOptions:
             i, n = self.shard
             if not (n >= 1 and 0 <= i < n):
                 raise UsageError(f"shard must be I/N with 0 <= I < N, not {i}/{n}")
+        self._check_streaming()
+
+    def _check_streaming(self) -> None:
+        """``wait``, ``cache_limit`` and ``distributed`` together: an option that cannot apply is refused."""
+        if not isinstance(self.wait, bool):
+            raise UsageError(f"wait must be True (block until staged) or False (stream), not {self.wait!r}")
+        if not isinstance(self.distributed, bool):
+            raise UsageError(f"distributed must be True or False, not {self.distributed!r}")
+        limit = self.cache_limit
+        if isinstance(limit, str):
+            try:
+                limit = parse_bytes(limit)
+            except ValueError as e:
+                raise UsageError(f"cache_limit: {e}") from None
+            object.__setattr__(self, "cache_limit", limit)
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0):
+            raise UsageError(f"cache_limit must be a number of bytes > 0 (or a size such as '16G'), not {limit!r}")
+        if limit is not None and self.wait:
+            raise UsageError("cache_limit needs wait=False: a dataset kept under a limit is only ever streamed")
+        if self.distributed and not self.wait:
+            raise UsageError("distributed=True blocks until each node's stage is published; with wait=False every "
+                             "rank calls stage() itself (the first streams, the others read along): drop "
+                             "distributed=True")
 
 
 @dataclass
@@ -113,20 +141,15 @@ class StagePlan:
 def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = None,
               callback: Any = None, on_file: Callable[[int], None] | None = None,
               on_event: Callable[[str], None] | None = None,
-              holder_pid: int | None = None) -> StagedDataset | StagePlan:
-    """Stage ``src`` as ``opts`` say; see :func:`stagingloader.stage`.
+              holder_pid: int | None = None) -> StagedDataset:
+    """Stage ``src`` as ``opts`` say and block until it is published; see :func:`stagingloader.stage`.
 
     The run's lease is the named one ``opts.lease`` if given, else one tied to the process ``holder_pid`` (the
     Python API's own process; the CLI's caller), else none.
     """
     run, identity = open_run(src, opts, env=env, on_event=on_event, early_scan=True)
     try:
-        foreign = _someone_elses(run.ddir)  # another user's folder, or a link, is refused here
-        if opts.dry_run:
-            if not foreign and trust.lstat(run.ddir.path) is not None:
-                run.ddir.check(writable=True)
-            return _dry_run(run)
-        if foreign:
+        if _someone_elses(run.ddir):  # another user's folder, or a link, is refused here
             return _use_read_only(run)
         own_folder(run, env)
         with DatasetLock(run.ddir.lock_file, timeout=opts.lock_timeout, on_wait=run.say):
@@ -137,20 +160,30 @@ def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = N
             run.early.close()
 
 
+def plan_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = None,
+               on_event: Callable[[str], None] | None = None) -> StagePlan:
+    """A dry run: what staging ``src`` would do, found without writing anything (no folder, no lock, no lease)."""
+    run, _identity = open_run(src, opts, env=env, on_event=on_event, dry_run=True)
+    if not _someone_elses(run.ddir) and trust.lstat(run.ddir.path) is not None:
+        run.ddir.check(writable=True)
+    return _dry_run(run)
+
+
 def open_run(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = None,
-             on_event: Callable[[str], None] | None = None, cache_limit: int | None = None,
-             verb: str = "staging", early_scan: bool = False) -> tuple[StageRun, str]:
+             on_event: Callable[[str], None] | None = None, verb: str = "staging", early_scan: bool = False,
+             dry_run: bool = False) -> tuple[StageRun, str]:
     """List the source (this node's shard) and pick the root: what a run works on, and the source's identity.
-    ``cache_limit``: the bytes the run may keep on the tier (a streaming run), which is what ``auto`` must find.
+    ``opts.cache_limit``: the bytes the run may keep on the tier (a streaming run), which is what ``auto`` must find.
     ``early_scan``: scan a large published copy of the dataset in another process meanwhile (for the fast check).
+    ``dry_run``: find the root without creating it.
     """
     env = dict(os.environ) if env is None else env
     say = on_event or (lambda text: log.info("%s", text))
     t0 = time.perf_counter()
     source = Source(src, opts.storage_options)
-    identity = source.identity() + _selection_suffix(opts)
+    identity = dataset_identity(source, opts)
     key = dataset_key(identity)
-    early = _scan_published_early(opts, key, env) if early_scan else None
+    early = _scan_published_early(opts, key, env) if early_scan and not dry_run else None
     try:
         listing = Listing.of(take_shard(source.listing(opts.include, opts.exclude), opts.shard))
     except BaseException:
@@ -158,10 +191,10 @@ def open_run(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = No
             early.close()
         raise
     total = listing.total_bytes
-    needed = total if cache_limit is None else min(total, cache_limit)
+    needed = total if opts.cache_limit is None else min(total, opts.cache_limit)
     tier, why = resolve_root(opts.root, needed, key, max_ram_fraction=opts.max_ram_fraction, env=env,
-                             user=current_user(), create=not opts.dry_run)
-    say(f"{'would stage' if opts.dry_run else verb} {source.url} ({len(listing)} files, {human_bytes(total)}) "
+                             user=current_user(), create=not dry_run)
+    say(f"{'would stage' if dry_run else verb} {source.url} ({len(listing)} files, {human_bytes(total)}) "
         f"into {tier.describe()}: {why}")
     run = StageRun(source=source, listing=listing, opts=opts, tier=tier, why=why, ddir=DatasetDir(tier.path / key),
                    t0=t0, say=say, early=early)
@@ -177,7 +210,7 @@ EARLY_SCAN_MAX_MANIFEST_BYTES = 64 << 20
 def _scan_published_early(opts: StageOptions, key: str, env: Mapping[str, str]) -> BackgroundScan | None:
     """Start scanning the published copy a fast check will look at, if there is a large one where the root
     will be found (the given root, or an ``auto`` candidate holding this dataset) and a second core."""
-    if opts.dry_run or opts.verify != "fast" or usable_cores() < 2:
+    if opts.verify != "fast" or usable_cores() < 2:
         return None
     if opts.root != "auto" or env.get("STAGINGLOADER_ROOT"):
         roots = [Path(opts.root if opts.root != "auto" else env["STAGINGLOADER_ROOT"]).expanduser().absolute()]
@@ -221,6 +254,18 @@ def own_folder(run: StageRun, env: Mapping[str, str] | None = None) -> None:
         except FileNotFoundError:  # removed by gc (it held the lock) between our steps
             if attempt == 5:
                 raise
+        except CacheError as e:
+            raise CacheError(f"{e}{_owner_note(run.tier.path)}") from None
+
+
+def _owner_note(root: Path) -> str:
+    """Said when a dataset folder is refused in a root another user owns: that user can swap its folders."""
+    st = trust.lstat(root)
+    if st is None or st.st_uid in (os.geteuid(), trust.ROOT_UID):
+        return ""
+    owner = trust.user_name(st.st_uid)
+    return (f" (the staging root {root} belongs to {owner}, who can rename or replace anything in it, the sticky "
+            "bit notwithstanding: stage into a root of your own)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,7 +297,10 @@ def _someone_elses(ddir: DatasetDir) -> bool:
     st = trust.lstat(ddir.path)
     if st is None or (st.st_uid == os.geteuid() and not stat.S_ISLNK(st.st_mode)):
         return False
-    ddir.check(writable=False)
+    try:
+        ddir.check(writable=False)
+    except CacheError as e:
+        raise CacheError(f"{e}{_owner_note(ddir.path.parent)}") from None
     return True
 
 
@@ -276,6 +324,12 @@ def _use_read_only(run: StageRun) -> StagedDataset:
     run.say(f"using the shared copy {ddir.path} ({version}) read-only: its stager holds the lease")
     report = _report(run, plan, manifest, version, copier=None)
     return StagedDataset(source.url, ddir.version_dir(version) / "data", version, ddir.path, manifest, report, None)
+
+
+def dataset_identity(source: Source, opts: StageOptions) -> str:
+    """What names the dataset ``opts`` select of ``source``: the source's identity and the selection (include,
+    exclude, shard); :func:`..cache.layout.dataset_key` of it is the dataset's folder under a root."""
+    return source.identity() + _selection_suffix(opts)
 
 
 def _selection_suffix(opts: StageOptions) -> str:
@@ -320,7 +374,7 @@ def plan_locked(run: StageRun, identity: str) -> LockedPlan:
 
 
 def _stage_locked(run: StageRun, *, identity: str, callback: Any, on_file: Callable[[int], None] | None,
-                  holder_pid: int | None) -> StagedDataset | StagePlan:
+                  holder_pid: int | None) -> StagedDataset:
     """The stage's story, under the dataset's lock: check what is staged, plan, copy, publish, lease."""
     ddir = run.ddir
     lp = plan_locked(run, identity)

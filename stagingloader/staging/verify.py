@@ -17,7 +17,7 @@ from .. import digest as dg
 from ..cache.columns import StrColumn, join
 from ..cache.layout import DatasetDir, find_dataset_dir
 from ..cache.manifest import Manifest
-from ..errors import ManifestError
+from ..errors import ManifestError, UsageError
 from ..sources.listing import Listing, scan_staged
 from ..sources.scanning import default_workers, in_parts, scan_staged_tree
 from .copyplan import CORRUPT, MISSING
@@ -79,7 +79,7 @@ class ManifestMerge:
 
 
 def check_staged_tree(data: str | os.PathLike[str], manifest: Manifest, workers: int | None = None) -> dict[str, str]:
-    """:func:`check_fast` of a whole tree, walked by up to ``workers`` processes (see :mod:`.scanning`), each
+    """:func:`check_fast` of a whole tree, walked by up to ``workers`` processes (see :mod:`..sources.scanning`), each
     comparing its part as it walks and sending back only what it found wrong and which rows it matched."""
     merge = ManifestMerge(manifest)
     if not manifest.sorted_by_bytes:  # rows in another order (an old manifest): the whole scan, joined once
@@ -152,8 +152,13 @@ def verify(dataset: StagedDataset | str | os.PathLike[str], *, workers: int = 4,
     version: str | None
     if isinstance(dataset, StagedDataset):
         ddir, version = DatasetDir(dataset.dataset_dir), dataset.version
-    else:
+    elif isinstance(dataset, (str, os.PathLike)):
         ddir, version = find_dataset_dir(Path(dataset))
+    else:
+        raise UsageError(f"verify takes the dataset sl.stage() returned or a staged dataset's folder, not "
+                         f"{type(dataset).__name__} {dataset!r}")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise UsageError(f"workers must be a whole number of at least 1, not {workers!r}")
     ddir.check(writable=False)
     version = version or ddir.current() or ddir.newest_complete()
     if version is None:

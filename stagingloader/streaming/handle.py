@@ -1,4 +1,4 @@
-"""Start a streaming stager (its own process, see :mod:`.streamer`) and hold it: ``stage(..., wait=False)``,
+"""Start a streaming stager (its own process, see :mod:`.process`) and hold it: ``stage(..., wait=False)``,
 ``stagingloader stage --no-wait`` and the Slurm prolog all come here.
 
 The stager runs as a separate, detached process (its own session), for every caller alike: one code path; no
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from .. import errors
 from ..cache.layout import DatasetDir
 from ..cache.manifest import Manifest
 from ..errors import InternalError, StagerFailedError, StageTimeoutError, StagingError, UsageError
-from ..staging.result import StagedDataset
+from ..staging.result import StagedDataset, StreamProgress
 from ..staging.stager import StageOptions
 from .process import StreamRequest
 from .protocol import COMPLETE, StreamFiles, StreamState, find_state, stream_dir
@@ -37,24 +37,6 @@ STOP_SECONDS = 30.0
 _HERE = str(Path(__file__).resolve().parents[2])  # the stager runs this very copy of the package
 _MAIN = (f"import sys; sys.path.insert(0, {_HERE!r}); "
          "from stagingloader.streaming.process import main; sys.exit(main())")
-
-
-@dataclass(frozen=True)
-class StreamProgress:
-    """How far a streaming stage is: ``ds.progress``."""
-
-    files_done: int
-    files_total: int
-    bytes_done: int
-    bytes_total: int
-    state: str
-    error: str | None = None
-    evicted_files: int = 0
-    cache_limit: int | None = None
-
-    @property
-    def fraction(self) -> float:
-        return self.bytes_done / self.bytes_total if self.bytes_total else 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,15 +178,13 @@ class StreamHandle:
 
 
 
-def stage_streaming(src: str, opts: StageOptions, *, cache_limit: int | None = None, holder_pid: int | None = None,
+def stage_streaming(src: str, opts: StageOptions, *, holder_pid: int | None = None,
                     on_event: Callable[[str], None] | None = None,
                     env: dict[str, str] | None = None) -> StagedDataset:
-    """``stage(src, wait=False)``: start (or join) a streaming stage; a StagedDataset as soon as it streams."""
-    if cache_limit is not None and (not isinstance(cache_limit, int) or isinstance(cache_limit, bool)
-                                    or cache_limit <= 0):
-        raise UsageError(f"cache_limit must be a number of bytes > 0 (or a size such as '16G'), not {cache_limit!r}")
-    started, proc = start(StreamRequest(src=src, opts=opts, holder_pid=holder_pid, cache_limit=cache_limit),
-                          on_event=on_event, env=env)
+    """``stage(src, wait=False)``: start (or join) a streaming stage; a StagedDataset as soon as it streams.
+    ``opts.cache_limit`` keeps at most that many bytes on the tier."""
+    req = StreamRequest(src=src, opts=replace(opts, wait=False, distributed=False), holder_pid=holder_pid)
+    started, proc = start(req, on_event=on_event, env=env)
     ddir = DatasetDir(started.dataset_dir)
     root = ddir.version_dir(started.version) / "data"
     if not started.done:

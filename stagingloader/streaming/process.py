@@ -11,10 +11,17 @@ set up, after which it writes no more there (its stderr goes to ``stream/stager.
    evicting under a cache limit, through the ordinary copier (whole, verified, journaled files only);
 4. when every file is there and no cache limit got in the way: publish the version exactly as ``stage`` does.
 
-It stops (resumable, state left "copying") on SIGTERM or when no lease holds its version any more: its own (its
-holder process ended, ``stagingloader release``, the Slurm epilog) and those of the runs reading along.  If
-another live stager streams the same dataset it does not wait for the lock: it answers ``read_along`` with that
-run's version and takes a lease beside it.
+It stops (resumable, state "stopped") on SIGTERM or when no lease holds its version any more: its own (its
+holder process ended, ``stagingloader release``, the Slurm epilog) and those of the runs reading along.  Its own
+lease file is looked at every poll (``POLL_SECONDS``), all leases every ``LEASE_SECONDS`` and at once when its own
+is gone.  Stopping takes at most ``STOP_DEADLINE`` seconds whatever it was doing, mid-file included: the copier
+gives the copies in flight ``STOP_SECONDS``, then abandons them (under temp names, swept by the next run) and kills
+its worker processes; past the deadline a watchdog writes the state, kills the workers and ends the process (a
+copy this process runs itself, blocked in a slow read, ends with it: as after ``kill -9``, a stage to resume).
+If another live stager streams the same dataset it does not wait for the lock: it answers ``read_along`` with that
+run's version and takes a lease beside it.  A named lease taken inside a Slurm job (``$SLURM_JOB_ID``: ``stagingloader
+stage SRC --no-wait --lease NAME`` in a job step) is noted in the stream folder (``job-<id>.leases``), so the
+job's epilog releases it with the job's own.
 """
 
 from __future__ import annotations
@@ -29,16 +36,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
+from .. import procid
 from ..cache import leases, trust
 from ..cache.locking import DatasetLock
 from ..cache.manifest import Entry
-from ..engine.copier import Copier, CopySettings
+from ..engine.copier import STOP_GRACE_SECONDS, STOP_SECONDS, Copier, CopySettings
 from ..errors import InternalError, NoSpaceError, StagingError
 from ..sources.listing import Listing
 from ..sources.source import SourceFile
@@ -62,10 +70,11 @@ from .protocol import (
     COMPLETE,
     COPYING,
     FAILED,
+    STOPPED,
     RequestReader,
     StreamFiles,
     StreamState,
-    process_start,
+    note_job_lease,
     read_state,
     stream_dir,
 )
@@ -76,6 +85,8 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.05
 STATE_SECONDS = 0.2
 LEASE_SECONDS = 1.0
+STOP_DEADLINE = STOP_SECONDS + STOP_GRACE_SECONDS  #: after a stop, the process ends within this (plus a poll)
+PUBLISH_SECONDS = 10.0  #: a publish under way when the deadline comes gets this long before the process ends
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,11 +96,10 @@ class StreamRequest:
     src: str
     opts: StageOptions
     holder_pid: int | None = None
-    cache_limit: int | None = None
 
     def to_json(self) -> str:
         o = {f.name: getattr(self.opts, f.name) for f in fields(StageOptions)}
-        return json.dumps({"src": self.src, "opts": o, "holder_pid": self.holder_pid, "cache_limit": self.cache_limit})
+        return json.dumps({"src": self.src, "opts": o, "holder_pid": self.holder_pid})
 
     @classmethod
     def from_json(cls, text: str) -> StreamRequest:
@@ -99,16 +109,14 @@ class StreamRequest:
             o[name] = tuple(o.get(name) or ())
         if o.get("shard") is not None:
             o["shard"] = tuple(o["shard"])
-        return cls(src=d["src"], opts=StageOptions(**o), holder_pid=d.get("holder_pid"),
-                   cache_limit=d.get("cache_limit"))
+        return cls(src=d["src"], opts=StageOptions(**o), holder_pid=d.get("holder_pid"))
 
 
 def stream_stage(req: StreamRequest, *, tell: Callable[[dict[str, Any]], None], stop: threading.Event,
                  env: dict[str, str] | None = None) -> None:
     """Run a streaming stage as ``req`` says; ``tell`` answers the starter (events, then ready)."""
-    opts = replace(req.opts, dry_run=False)
-    run, identity = open_run(req.src, opts, env=env, on_event=lambda text: tell({"event": text}),
-                             cache_limit=req.cache_limit, verb="streaming")
+    opts = req.opts
+    run, identity = open_run(req.src, opts, env=env, on_event=lambda text: tell({"event": text}), verb="streaming")
     if someone_elses(run):  # root's site-shared copy: read along its stager, or use it as published
         tell({"ready": _read_along(run, foreign=True, holder_pid=None) or _published_foreign(run)})
         return
@@ -173,9 +181,20 @@ def _read_along(run: StageRun, *, foreign: bool, holder_pid: int | None) -> dict
     if files.rels != tuple(stream_rows(run).path):
         return None
     lease = None if foreign else take_lease(run, state.version, holder_pid)
+    _note_job(sdir, run.opts.lease if lease is not None else None)
     run.say(f"reading along the streaming stage of {run.source.url} by process {state.pid}")
     return {"read_along": True, "dataset_dir": str(run.ddir.path), "version": state.version, "lease": lease,
             "stream_dir": str(sdir), "cache_limit": state.cache_limit}
+
+
+def _note_job(sdir: Path, named: str | None) -> None:
+    """Inside a Slurm job, note the named lease (``--lease NAME``) this run took on the stream: the job's epilog
+    releases it with the job's own lease, so that it does not keep the stager copying after the job."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if named is None or not job.isdigit() or named == f"slurm-job-{job}":
+        return
+    with contextlib.suppress(OSError):
+        note_job_lease(sdir, job, named)
 
 
 def _published_foreign(run: StageRun) -> dict[str, Any]:
@@ -207,11 +226,16 @@ class _StreamRun:
         self.req_lock = threading.Lock()  #: the request reader, polled by both
         self._done = threading.Event()
         self._poll_error: BaseException | None = None
-        self.start_time = process_start(os.getpid())
+        self.start_time = procid.start_time(os.getpid())
         self.lease: str | None = None
         self.stopped_why = ""
         self._last_state = 0.0
         self._last_lease = time.monotonic()
+        self.copier: Copier | None = None
+        self._stop_at: float | None = None  #: when the poller saw the stop (then the watchdog runs)
+        self._end_lock = threading.Lock()
+        self._ending = False  #: the final state is claimed (by the run, or by the watchdog): see _claim_end
+        self.failed = False
 
     def run(self) -> None:
         run, lp = self.run_, self.lp
@@ -228,12 +252,13 @@ class _StreamRun:
         self.requests = RequestReader(self.sdir, len(self.listing))
         self._write_state(COPYING, force=True)
         self.lease = take_lease(run, self.version, self.req.holder_pid)
+        _note_job(self.sdir, self.req.opts.lease if self.lease is not None else None)
         self.tell({"ready": {"streaming": True, "dataset_dir": str(run.ddir.path), "version": self.version,
                              "lease": self.lease, "stream_dir": str(self.sdir), "pid": os.getpid(),
                              "cache_limit": limit}})
         _log_to(self.sdir / "stager.log")
         settings = CopySettings(workers=run.workers, fsync=lp.incoming.fsync, small_batch_files=1)
-        copier = Copier(run.source, lp.incoming, settings, expected=lp.expected, stop=self.stop)
+        copier = self.copier = Copier(run.source, lp.incoming, settings, expected=lp.expected, stop=self.stop)
         poller = threading.Thread(target=self._poll_loop, name="stagingloader-stream-poll", daemon=True)
         poller.start()
         try:
@@ -248,21 +273,41 @@ class _StreamRun:
             self._done.set()
             with contextlib.suppress(OSError):
                 lp.incoming.close()
-            self._write_state(FAILED, force=True, error=_one_line(e))
+            if self._claim_end():
+                self.failed = True
+                self._write_state(FAILED, force=True, error=_one_line(e))
+            else:  # the watchdog writes the state and ends the process now
+                time.sleep(PUBLISH_SECONDS)
             raise
+        if not self._claim_end():  # the watchdog writes the state and ends the process now
+            time.sleep(PUBLISH_SECONDS)
+            return
         if self.sched.finished and not self.sched.evicted:
             self._publish()
         else:
             lp.incoming.close()
-            self._write_state(COPYING, force=True, error=f"stopped: {self.stopped_why or 'asked to stop'}")
-            log.info("stopped (%s); the next stage of %s resumes", self.stopped_why, run.source.url)
+            self._write_state(STOPPED, force=True, error=self._stopped_text())
+            log.info("stopped (%s); the next stage of %s resumes", self._stopped_text(), run.source.url)
+
+    def _stopped_text(self) -> str:
+        if self.stop.is_set():
+            return f"stopped: {self.stopped_why or 'asked to stop'}"
+        return "stopped: every file was staged once under the cache limit; this run publishes no version"
+
+    def _claim_end(self) -> bool:
+        """Who writes the final state: the first to ask, the run as it ends or the watchdog at the deadline."""
+        with self._end_lock:
+            if self._ending:
+                return False
+            self._ending = True
+            return True
 
     def _limit(self, ready_bytes: int) -> int | None:
         """The cache limit: the one asked for, or, where the dataset does not fit the tier, what the tier holds.
         One that cannot hold the largest file is refused (NoSpaceError)."""
         run, plan = self.run_, self.lp.plan
         room = ready_bytes + (plan.free_bytes or 0)
-        want = self.req.cache_limit
+        want = self.req.opts.cache_limit
         if want is None and plan.fits:
             return None
         limit = room if want is None or want > room else want
@@ -352,13 +397,17 @@ class _StreamRun:
         return bool(orders or urgent or gone)
 
     def _poll(self) -> None:
+        if self.stop.is_set():  # SIGTERM, a lost lease, a failure: say so, and make sure the process ends
+            self._stopping()
+            return
         if self._take_requests():
             self.wake.set()
         with self.lock:
             self._collect()
-            self._write_state(COPYING)
+            self._write_live(COPYING)
         now = time.monotonic()
-        if now - self._last_lease >= LEASE_SECONDS:
+        own_gone = self.lease is not None and not os.path.lexists(self.run_.ddir.leases / f"{self.lease}.json")
+        if own_gone or now - self._last_lease >= LEASE_SECONDS:
             self._last_lease = now
             held = [lease for lease in leases.live(self.run_.ddir) if lease.version == self.version]
             if self.lease and not held:  # its own lease, and those of every run reading along
@@ -366,8 +415,44 @@ class _StreamRun:
                                     f"run reads along")
                 log.info("stopping: %s", self.stopped_why)
                 self.stop.set()
-                with self.lock:
-                    self._write_state(COPYING, force=True, error=f"stopping: {self.stopped_why}")
+                self._stopping()
+
+    def _stopping(self) -> None:
+        """The stop is seen (once): the state says so, and a watchdog makes sure the process ends in time."""
+        if self._stop_at is not None:
+            return
+        self._stop_at = time.monotonic()
+        with self.lock:
+            self._write_live(COPYING, force=True, error=f"stopping: {self.stopped_why or 'asked to stop'}")
+        threading.Thread(target=self._watchdog, name="stagingloader-stream-stop", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        """At ``STOP_DEADLINE`` after the stop, end the process if the run has not: a copy it makes itself may be
+        blocked in a read of a slow source for as long as that file takes.  The state is written first (what was
+        copied is journaled; what was in flight is left for the next run), the copy workers are killed with it."""
+        assert self._stop_at is not None
+        time.sleep(max(0.0, self._stop_at + STOP_DEADLINE - time.monotonic()))
+        if self._claim_end():
+            got = self.lock.acquire(timeout=0.2)
+            try:
+                self._write_state(STOPPED, force=True, error=f"{self._stopped_text()}; the copies in flight were "
+                                                             "left for the next stage")
+            except Exception as e:  # it ends anyway: the readers see it gone
+                log.error("could not write the final state: %s", _one_line(e))
+            finally:
+                if got:
+                    self.lock.release()
+            log.info("stopped (%s) with copies in flight; the next stage of %s resumes", self._stopped_text(),
+                     self.run_.source.url)
+        else:  # the run ends by itself (a publish under way, or the last state): give it a while
+            time.sleep(PUBLISH_SECONDS)
+        _end_now(self.copier.worker_pids if self.copier is not None else [], 1 if self.failed else 0)
+
+    def _write_live(self, state: str, *, force: bool = False, error: str | None = None) -> None:
+        """The poller's state: never once the final state is claimed (a failure's, say, written meanwhile)."""
+        with self._end_lock:
+            if not self._ending:
+                self._write_state(state, force=force, error=error)
 
     def _write_state(self, state: str, *, force: bool = False, error: str | None = None) -> None:
         now = time.monotonic()
@@ -385,6 +470,15 @@ class _StreamRun:
 def _one_line(e: BaseException) -> str:
     text = str(e) if isinstance(e, StagingError) else f"{type(e).__name__}: {e}"
     return " ".join(text.split())[:2000]
+
+
+def _end_now(workers: list[int], code: int = 0) -> None:
+    """End this process at once, and its copy worker processes with it (no thread is waited for)."""
+    for pid in workers:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    logging.shutdown()
+    os._exit(code)
 
 
 def _log_to(path: Path) -> None:
@@ -422,6 +516,8 @@ def main(stdin: TextIO | None = None) -> int:
 
     try:
         stream_stage(req, tell=tell, stop=stop)
+        if stop.is_set():  # stopped: a copy thread may still wait on a slow source; nothing is left to do
+            _end_now([])
     except BaseException as e:
         err = e if isinstance(e, StagingError) else InternalError(_one_line(e))
         tell({"error": {"type": type(err).__name__, "message": str(err)}})

@@ -3,9 +3,12 @@
 Everything lives in ``DDIR/incoming/stream/`` (see docs/staging.md, "Streaming"):
 
 - ``files.json``: the listing the run stages, in row order (sorted by relative path); written once;
-- ``state.json``: the stager's pid and start time, its state (copying, complete, failed), its error, counts;
+- ``state.json``: the stager's pid and start time, its state (copying, complete, failed, stopped), its error,
+  counts.  ``stopped``: it stopped before it finished (SIGTERM, its last lease gone); the next stage resumes;
 - ``order-<reader>``: a reader's upcoming rows (int64, little-endian), replaced atomically at each epoch;
-- ``urgent-<reader>``: rows a reader is blocked on, appended (8 bytes a row, ``O_APPEND``).
+- ``urgent-<reader>``: rows a reader is blocked on, appended (8 bytes a row, ``O_APPEND``);
+- ``job-<id>.leases``: the named leases runs inside Slurm job ``<id>`` took on this stream, one a line (appended):
+  the job's epilog releases them with the job's own lease.
 
 A row is ready when ``DDIR/incoming/data/<rel>`` is a regular file, or, once the run is complete, when
 ``DDIR/<version>/data/<rel>`` is.  This module reads and writes those files and decides readiness; it copies
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .. import procid
 from ..cache import trust
 from ..cache.layout import DatasetDir, safe_join
 from ..errors import StagerFailedError, UnsafePathError
@@ -36,7 +40,7 @@ from ..fsio import atomic_write
 FORMAT = "stagingloader-stream"
 FORMAT_VERSION = 1
 ROW = np.dtype("<i8")
-COPYING, COMPLETE, FAILED = "copying", "complete", "failed"
+COPYING, COMPLETE, FAILED, STOPPED = "copying", "complete", "failed", "stopped"
 
 Rows = npt.NDArray[np.int64]
 
@@ -50,21 +54,6 @@ def stream_dir(ddir: DatasetDir | Path) -> Path:
 def reader_id(rank: int = 0, pid: int | None = None) -> str:
     """The name of one reader's order and urgent files: ``r<rank>-<pid>``."""
     return f"r{int(rank)}-{os.getpid() if pid is None else int(pid)}"
-
-
-def process_start(pid: int) -> int | None:
-    """A process's start time (clock ticks since boot, from ``/proc/PID/stat``), or None if it is gone.
-
-    A zombie is gone: a stager killed while its starter (the training process) has not reaped it yet stays in
-    ``/proc`` with its start time, and its readers must not wait on it for ever."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        if fields[0] in (b"Z", b"X"):
-            return None
-        return int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 # ---- files.json ---------------------------------------------------------------------------------------------
@@ -132,7 +121,7 @@ class StreamState:
     @property
     def alive(self) -> bool:
         """Is the stager that wrote this still running (same pid, same start time)?"""
-        return self.start_time is not None and process_start(self.pid) == self.start_time
+        return procid.alive(self.pid, self.start_time)
 
     def write(self, sdir: Path) -> None:
         atomic_write(sdir / "state.json", json.dumps(asdict(self), ensure_ascii=False).encode(), mode=0o644)
@@ -142,6 +131,9 @@ class StreamState:
         fix = "stage it again to resume (stagingloader stage SRC, or sl.stage(..., wait=False))"
         if self.state == FAILED:
             return f"the streaming stage of {dataset} failed: {self.error or 'no reason recorded'}; {fix}"
+        if self.state == STOPPED:
+            return (f"the streaming stager of {dataset} (pid {self.pid}) is gone: it stopped before it finished "
+                    f"({self.error or 'asked to stop'}); {fix}")
         if self.state == COPYING and not self.alive:
             return f"the streaming stager of {dataset} (pid {self.pid}) is gone before it finished; {fix}"
         return None
@@ -242,6 +234,36 @@ def remove_reader(sdir: Path, reader: str) -> None:
     for name in (f"order-{reader}", f"urgent-{reader}", f"pos-{reader}"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(sdir / name)
+
+
+# ---- the named leases of a Slurm job (its runs write, its epilog reads) -------------------------------------
+def note_job_lease(sdir: Path, job: str, lease: str) -> None:
+    """Note that a run inside Slurm job ``job`` took the named lease ``lease`` on this stream."""
+    if not job.isdigit() or not lease or "\n" in lease or "/" in lease:
+        raise UnsafePathError(f"{job!r}, {lease!r}: not a job id and a lease name")
+    fd = os.open(sdir / f"job-{job}.leases", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644)
+    try:
+        os.write(fd, f"{lease}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def job_leases(ddir: DatasetDir | Path, job: str, version: str | None = None) -> list[str]:
+    """The named leases runs inside Slurm job ``job`` took on the dataset's stream: noted in ``incoming/stream``
+    while it streams, in the published version's ``stream`` folder after (never read through a link)."""
+    d = ddir if isinstance(ddir, DatasetDir) else DatasetDir(Path(ddir))
+    if not job.isdigit():
+        return []
+    found: list[str] = []
+    folders = [stream_dir(d)] + ([d.version_dir(version) / "stream"] if version else [])
+    for sdir in folders:
+        with contextlib.suppress(OSError):
+            raw = _read_regular(sdir / f"job-{job}.leases")
+            for line in (raw or b"").decode("utf-8", "replace").splitlines():
+                if line and line not in found:
+                    found.append(line)
+    return found
 
 
 def _check_reader(reader: str) -> None:

@@ -168,14 +168,14 @@ def test_include_exclude_and_glob(src: Path, root: Path) -> None:
 
 
 def test_dry_run_plans_without_writing_anything(src: Path, root: Path, tmp_path: Path) -> None:
-    plan = sl.stage(str(src), root=str(root), dry_run=True)
+    plan = sl.dry_run(str(src), root=str(root))
     assert isinstance(plan, sl.StagePlan)
     assert plan.plan.fits and len(plan.plan.copy) == len(tree_digests(src))
     assert list(root.iterdir()) == []  # no dataset folder, dataset.json or .lock: ls shows no phantom
     assert sl.stage(str(src), root=str(root)).report is not None
     (src / "cat" / "000.bin").write_bytes(b"changed")
     snapshot = sorted((p.relative_to(root), p.lstat().st_mtime_ns) for p in root.rglob("*"))
-    again = sl.stage(str(src), root=str(root), dry_run=True)
+    again = sl.dry_run(str(src), root=str(root))
     assert isinstance(again, sl.StagePlan) and [f.rel for f, _ in again.plan.copy] == ["cat/000.bin"]
     assert sorted((p.relative_to(root), p.lstat().st_mtime_ns) for p in root.rglob("*")) == snapshot
     # --root auto: the per-user folder a dry run would use is not created either
