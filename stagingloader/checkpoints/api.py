@@ -14,11 +14,12 @@ retention keeps the newest ``keep_local``/``keep_remote`` complete steps per tie
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import logging
 import os
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +31,7 @@ from .. import digest as dg
 from ..cache.manifest import Manifest
 from ..cache.tiers import free_bytes
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, NoSpaceError, UsageError
+from ..retry import Attempt, Backoff, retry_call
 from ..units import human_bytes
 from .drain import Drainer
 from .layout import OBJECT_FILE, marker_for, step_name
@@ -37,7 +39,7 @@ from .restore import candidates, ensure_local
 from .restore import latest as latest_step
 from .retention import steps_to_remove
 from .settings import write_settings
-from .tiers import FolderTier, Tier, Writer, complete_steps, latest_complete, open_tier
+from .tiers import CHUNK, LOCAL, PEER, FolderTier, Tier, Writer, complete_steps, latest_complete, open_tier
 from .transfer import TransferPolicy, copy_step
 
 log = logging.getLogger(__name__)
@@ -55,15 +57,20 @@ class Checkpoints:
         if keep_remote is not None and keep_remote < 1:
             raise UsageError(f"keep_remote must be None (keep all) or at least 1, not {keep_remote}")
         self.policy = transfer or TransferPolicy()
-        self.local = FolderTier(os.fspath(local), fsync=fsync)
-        self.local.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # checkpoints are the job's private data
+        if not isinstance(local, (str, os.PathLike)) or not os.fspath(local).strip():
+            raise UsageError(f"Checkpoints(local=...) needs the node-local folder to save into, not {local!r}")
+        self.local = FolderTier(os.fspath(local), fsync=fsync, role=LOCAL)
+        # checkpoints are the job's private data: the tier is made 0700, and one another user made (or could
+        # write, or a link) is refused, never adopted
+        self.local.prepare()
         self.local.sweep_temp()
         options = dict(storage_options or {})
         self.remote: Tier | None = open_tier(remote, options) if remote else None
-        #: other nodes' local tiers where the site shares them (read only, tried before the remote)
-        self.peers: list[Tier] = [open_tier(os.fspath(p), options) for p in peers]
+        #: other nodes' local tiers where the site shares them (read only, tried before the remote; a folder that
+        #: fails the trust rule is skipped with a warning)
+        self.peers: list[Tier] = [open_tier(os.fspath(p), options, role=PEER) for p in peers]
         self.keep_local, self.keep_remote = keep_local, keep_remote
-        write_settings(self.local.url, remote=self.remote.url if self.remote else None, storage_options=options,
+        write_settings(self.local, remote=self.remote.url if self.remote else None, storage_options=options,
                        keep_remote=keep_remote)
         self._lock = threading.Lock()
         self._retention_lock = threading.Lock()
@@ -113,7 +120,7 @@ class Checkpoints:
         import torch
 
         self.local.remove(step)  # what a killed save of this step left, never complete
-        self.local.step_dir(step).mkdir(parents=True)
+        self.local.make_step(step)
         try:
             with self.local.writing(step, OBJECT_FILE) as f:
                 w = _HashingWriter(f)
@@ -193,13 +200,8 @@ class Checkpoints:
             doomed = steps_to_remove(steps=steps, complete=complete_steps(tier), keep=keep, protected=protected)
             for step in doomed:
                 log.info("retention: removing %s from %s", step_name(step), tier.url)
-                for attempt in range(4):  # a failure leaves the step for the next pass: marker first, so never half
-                    try:
-                        tier.remove(step)
-                        break
-                    except OSError as e:
-                        log.warning("retention could not remove %s from %s: %s", step_name(step), tier.url, e)
-                        time.sleep(0.2 * 2**attempt)
+                with contextlib.suppress(OSError):  # left for the next pass: the marker goes first, so never half
+                    _remove_step(tier, step)
 
     # ---- finding and loading ------------------------------------------------------------------
     def latest(self) -> int | None:
@@ -212,15 +214,15 @@ class Checkpoints:
         The local copy is re-hashed against its marker first; a missing or corrupt one is restored from the
         nearest tier that holds it complete: ``peers`` (other nodes' local tiers the site shares), then the
         remote (copied back to the local tier, verified in transit).  Without ``step``, a step no tier holds
-        intact is skipped (with a warning) for the next-newest one.
+        intact, or one that verifies but that ``torch.load`` refuses (``weights_only=True`` meeting an object it
+        does not allow), is skipped (with a warning) for the next-newest one; with ``step`` it is raised.
         """
-        import torch
-
         steps = [step] if step is not None else candidates(self.local, self.remote, self.peers)
         if not steps:
             where = self.local.url + (f" or {self.remote.url}" if self.remote else "")
             raise CheckpointNotFoundError(f"no complete checkpoint in {where}")
         errors: list[str] = []
+        corrupt_only = True
         for s in steps:
             with self.pinned(s):
                 try:
@@ -234,8 +236,38 @@ class Checkpoints:
                 if OBJECT_FILE not in marker:
                     raise UsageError(f"{step_name(s)} was written by torch.distributed.checkpoint: load it with "
                                      "dcp.load(state_dict, storage_reader=ck.dcp_reader(step))")
-                return torch.load(self.local.step_dir(s) / OBJECT_FILE, **torch_load_kwargs)
-        raise CheckpointCorruptError("no complete checkpoint verifies: " + "; ".join(errors))
+                try:
+                    return self._torch_load(s, marker, torch_load_kwargs)
+                except CheckpointError as e:
+                    if step is not None:
+                        raise
+                    corrupt_only = corrupt_only and isinstance(e, CheckpointCorruptError)
+                    errors.append(str(e))
+                    log.warning("skipping checkpoint %s: %s", step_name(s), e)
+        if corrupt_only:
+            raise CheckpointCorruptError("no complete checkpoint verifies: " + "; ".join(errors))
+        raise CheckpointError("no complete checkpoint loads: " + "; ".join(errors))
+
+    def _torch_load(self, step: int, marker: Manifest, kwargs: dict[str, Any]) -> Any:
+        """``torch.load`` of ``step``'s verified local file (opened without following a link); a file torch
+        refuses is a CheckpointError naming the step and torch's reason."""
+        import pickle
+
+        import torch
+
+        where = f"{self.local.url}/{step_name(step)}/{OBJECT_FILE}"
+        try:
+            if kwargs.get("mmap"):  # torch maps a file by its name
+                return torch.load(self.local.step_dir(step) / OBJECT_FILE, **kwargs)
+            with io.BufferedReader(cast(io.RawIOBase, self.local.open_read(step, OBJECT_FILE)), CHUNK) as f:
+                return torch.load(f, **kwargs)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, ImportError, ValueError,
+                TypeError, KeyError, IndexError) as e:
+            hint = ("; if you trust whoever could write this checkpoint, load it with weights_only=False"
+                    if "weights_only" in str(e) else "")
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"{where} verifies against its marker but torch.load refuses it "
+                                  f"({type(e).__name__}: {first}){hint}") from e
 
     @contextmanager
     def pinned(self, step: int) -> Iterator[None]:
@@ -321,6 +353,21 @@ class Checkpoints:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"Checkpoints({self.local.url}) is closed")
+
+
+#: removing a step: 4 tries, 0.2 s apart and doubling (an object store's hiccup, a busy share)
+RETENTION_BACKOFF = Backoff(first_delay=0.2, max_delay=1.6, attempts=4, jitter=False)
+
+
+def _remove_step(tier: Tier, step: int) -> None:
+    """``tier.remove(step)`` under the retry policy, each failure said; raises the last OSError."""
+
+    def failed(exc: Exception, _: Attempt) -> None:
+        if isinstance(exc, OSError):  # anything else is no hiccup: raised as it is
+            log.warning("retention could not remove %s from %s: %s", step_name(step), tier.url, exc)
+
+    retry_call(lambda: tier.remove(step), RETENTION_BACKOFF, transient=lambda exc: isinstance(exc, OSError),
+               on_retry=failed, give_up=failed)
 
 
 class _HashingWriter:

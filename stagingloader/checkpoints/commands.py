@@ -7,22 +7,33 @@ in :mod:`.cli`).  Nothing here imports torch.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, ExitCode, StagingError, UsageError
+from ..errors import CacheError, CheckpointNotFoundError, ExitCode, StagingError, UsageError
+from ..retry import as_source_error, is_unreachable
 from ..units import human_bytes
 from .layout import step_name
 from .restore import ensure_local
 from .settings import read_settings
-from .tiers import FolderTier, Tier, complete_steps, latest_complete, open_tier, verify_step
+from .tiers import LOCAL, REMOTE, FolderTier, Tier, check_local, complete_steps, latest_complete, open_tier, verify_step
 from .transfer import TransferPolicy, copy_step
+
+log = logging.getLogger(__name__)
 
 
 def run_ckpt(args: argparse.Namespace) -> tuple[int, Any]:
     action = {"ls": _ls, "verify": _verify, "drain": _drain, "restore": _restore}[args.ckpt_action]
-    code, result = action(args)
+    try:
+        code, result = action(args)
+    except StagingError:
+        raise
+    except Exception as e:  # the store's own errors (no credentials, denied, unreachable): one line that says what
+        if not _storage_error(e):
+            raise
+        raise as_source_error(e, args.target) from None
     if not args.json:
         print(result.pop("text"))
     else:
@@ -30,13 +41,43 @@ def run_ckpt(args: argparse.Namespace) -> tuple[int, Any]:
     return code, result
 
 
-def _tiers(args: argparse.Namespace, *, need_remote: bool = False) -> tuple[Tier, Tier | None]:
-    """TARGET as a tier, and the remote: --remote, or what the job recorded in TARGET's settings."""
-    target = open_tier(args.target, args.storage_options)
+def _storage_error(exc: BaseException) -> bool:
+    """An error of a store or file system the command read (as opposed to a bug of ours)."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return isinstance(exc, OSError) or is_unreachable(exc) or bool(names & {
+        "NoCredentialsError", "PartialCredentialsError", "ClientError", "BotoCoreError", "AccessDenied",
+        "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket"})
+
+
+def _target(args: argparse.Namespace, *, local: bool = False) -> Tier:
+    """TARGET as a tier: a folder must exist (CheckpointNotFoundError naming it); ``local``: a local tier of the
+    caller's, held to the trust rule (:mod:`.tiers`)."""
+    tier = open_tier(args.target, args.storage_options, role=LOCAL if local else REMOTE)
+    if isinstance(tier, FolderTier):
+        if local:
+            tier.prepare(create=False)
+        elif not os.path.lexists(tier.root):
+            raise CheckpointNotFoundError(f"{tier.url}: no such folder (no checkpoint was saved or drained there)")
+    return tier
+
+
+def _tiers(args: argparse.Namespace, *, need_remote: bool = False, local: bool = False) -> tuple[Tier, Tier | None]:
+    """TARGET as a tier, and the remote: --remote, or what the job recorded in TARGET's settings (read only from a
+    folder that passes the trust rule: another user's settings never choose the remote)."""
+    target = _target(args, local=local)
     remote_url = getattr(args, "remote", None)
     options = dict(args.storage_options)
     if remote_url is None and isinstance(target, FolderTier):
-        settings = read_settings(target.url)
+        settings: dict[str, Any] = {}
+        if local:
+            settings = read_settings(target)
+        else:
+            try:
+                check_local(target.root, create=False)
+            except CacheError as e:
+                log.warning("not reading the settings in %s: %s; pass --remote to name its remote", target.url, e)
+            else:
+                settings = read_settings(target)
         remote_url = settings.get("remote")
         options = {**settings.get("storage_options", {}), **options}
     if need_remote and not remote_url:
@@ -68,7 +109,7 @@ def _ls(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
 
 
 def _verify(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
-    tier = open_tier(args.target, args.storage_options)
+    tier = _target(args)
     steps = [args.step] if args.step is not None else complete_steps(tier)
     out: list[dict[str, Any]] = []
     for step in steps:
@@ -87,10 +128,10 @@ def _verify(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
 
 
 def _drain(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
-    local, remote = _tiers(args, need_remote=True)
-    assert remote is not None
-    if not isinstance(local, FolderTier):
+    if "://" in args.target and not args.target.startswith(("file://", "local://")):
         raise UsageError(f"ckpt drain copies from a local folder, not {args.target}")
+    local, remote = _tiers(args, need_remote=True, local=True)
+    assert remote is not None and isinstance(local, FolderTier)
     policy = TransferPolicy(workers=max(1, args.workers), deadline=args.deadline)
     on_remote = set(complete_steps(remote))
     drained, failed, already = [], {}, []
@@ -127,14 +168,15 @@ def _drain(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
 
 def _restore(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     if args.local is not None:
-        local = FolderTier(args.local)
-        remote: Tier | None = open_tier(args.target, args.storage_options)
+        remote: Tier | None = _target(args)
+        local = FolderTier(args.local, role=LOCAL)
+        local.prepare(create=True)  # made 0700 if absent; one another user made or can write is refused
     else:
-        target, remote = _tiers(args)
-        if not isinstance(target, FolderTier):
+        if "://" in args.target and not args.target.startswith(("file://", "local://")):
             raise UsageError(f"restore {args.target} needs --local DIR: where to put the checkpoint")
+        target, remote = _tiers(args, local=True)
+        assert isinstance(target, FolderTier)
         local = target
-    local.root.mkdir(parents=True, exist_ok=True)
     step = args.step
     if step is None:
         found = [s for s in (latest_complete(local), latest_complete(remote) if remote else None) if s is not None]

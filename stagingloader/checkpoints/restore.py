@@ -6,6 +6,11 @@ next tier that holds it complete, nearest first: another node's local tier where
 streamed back into the local tier (hashed in transit, marker written last) and used from there.  A
 copy that fails verification is never returned: the next tier is tried, and ``candidates`` lets a
 caller fall back to the next-newest step.
+
+Nothing outside the local tier is ever written: every path of a marker is a plain relative path inside its step
+(:func:`.layout.check_marker`, at every read of a marker), and the local tier writes each one under the step's
+folder, one folder at a time, without following a link.  A peer that fails the trust rule holds nothing
+(:mod:`.tiers`); a copy a tier cannot give (a file missing or unreadable there) falls through to the next tier.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import logging
 from collections.abc import Sequence
 
 from ..cache.manifest import Manifest
-from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..errors import CacheError, CheckpointCorruptError, CheckpointNotFoundError, DrainError
 from .layout import step_name
 from .tiers import FolderTier, Tier, complete_steps, latest_complete, verify_step
 from .transfer import TransferPolicy, copy_step
@@ -58,10 +63,10 @@ def ensure_local(local: FolderTier, remote: Tier | None, step: int, policy: Tran
         local.remove(step)  # whatever is there (a corrupt copy, a killed save) is not what the marker vouches for
         try:
             copy_step(tier, local, step, tmarker, policy)
-        except CheckpointCorruptError as e:
+        except (CheckpointCorruptError, DrainError, CacheError) as e:
             local.remove(step)
             problems.append(str(e))
-            log.warning("the copy of %s in %s does not verify (%s); trying the next tier", step_name(step),
+            log.warning("the copy of %s in %s cannot be used (%s); trying the next tier", step_name(step),
                         tier.url, e)
             continue
         log.info("restored %s from %s", step_name(step), tier.url)

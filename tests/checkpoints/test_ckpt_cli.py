@@ -14,7 +14,8 @@ from tests.conftest import cli_json, mounted_tmpfs, run_cli
 
 def test_ls_verify_drain_release_and_restore(tmp_path: Path) -> None:
     remote = tmp_path / "remote"
-    with mounted_tmpfs(tmp_path / "shm", "16m") as local:
+    with mounted_tmpfs(tmp_path / "shm", "16m") as shm:
+        local = shm / "ckpt"  # a private folder in it: a tmpfs's top is writable by everyone
         ck = Checkpoints(local=local, remote=str(remote), keep_local=3, transfer=TransferPolicy(coalesce=False))
         for step in (1, 2, 3):
             ck.save(step, {"w": torch.full((1000,), float(step))})
