@@ -4,12 +4,13 @@
 The rule that shapes them: a non-zero prolog exit, or a timeout, drains the node.  So a user's
 problem (bad request, unreadable or unreachable source, no space, checksum mismatch) exits 0 with
 the failure recorded for the job; only a broken node (a staging root's parent missing or
-read-only) exits non-zero.  A path a user can squat (``/dev/shm/stagingloader``) is the job's
-problem too.  Root acts only on its own record and the site config, never on a file a user can
-write (see :mod:`.rootsafe` and :mod:`.jobstate`).  The prolog stages in a detached supervisor
-process and waits for it at most ``budget_seconds``; past that it exits 0 and the supervisor
-finishes while the job starts (the job's ``stagingloader.stage(SRC)`` waits on the dataset's
-lock).  Hooks never call scontrol.
+read-only) exits non-zero.  Anything a user can create on a root's path is the job's problem too:
+a file, a link, a FIFO or a folder of theirs at ``/dev/shm/stagingloader``, or at ``/dev/shm/site``
+above a root ``/dev/shm/site/{node}``.  Root acts only on its own record and the site config, never
+on a file a user can write, and the files it keeps for a job are its own (see :mod:`.rootsafe` and
+:mod:`.jobstate`).  The prolog stages in a detached supervisor process and waits for it at most
+``budget_seconds``; past that it exits 0 and the supervisor finishes while the job starts (the
+job's ``stagingloader.stage(SRC)`` waits on the dataset's lock).  Hooks never call scontrol.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Mapping
@@ -53,11 +55,15 @@ def site_root(root: Path) -> Path:
     """A configured staging root, ready for the hooks: a real folder that only root can change.
 
     Raises RootError when its parent is missing or read-only (the node is broken), CacheError when the
-    path is held by something root did not make: a file, a link or a folder a user created (in
-    ``/dev/shm`` anyone can), which is the job's problem, never a reason to drain the node.
+    path, or a folder above it, is held by something root did not make: a file, a link, a FIFO or a folder
+    a user created (in ``/dev/shm`` anyone can), which is the job's problem, never a reason to drain the
+    node.  So what a user made is named before anything is asked of the file system it leads to.
     """
+    try:
+        rootsafe.check_trusted_dir(root.parent, sticky_ok=True)
+    except rootsafe.MissingError as e:  # nobody holds the path: a mount or a boot-time folder is missing
+        raise RootError(f"staging root {root}: {e}; create it at boot (see docs/slurm.md) or fix the mount") from None
     check_root(root.parent)
-    rootsafe.check_trusted_dir(root.parent, sticky_ok=True)
     if os.geteuid() == 0:
         rootsafe.ensure_dir(root, 0o755, 0, 0)
     else:
@@ -270,12 +276,24 @@ def _supervise(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, us
 
 
 # ---- task prolog ---------------------------------------------------------------------------------
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())[:500]
+# slurmstepd reads the task prolog's output a line at a time (lines end at "\n" only, a NUL ends it all) and
+# takes everything after "export NAME=" to the end of the line as the value, verbatim: it removes no quotes.
+# So a value is made one line (control characters become spaces) and never quoted; the names are fixed.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]")
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
+
+
+def _value(text: object) -> str:
+    """A value on one line, as slurmstepd will set it."""
+    return _CONTROL.sub(" ", str(text))
+
+
+def _one_line(text: object) -> str:
+    return " ".join(_value(text).split())[:500]
 
 
 def task_prolog_lines(status: dict[str, Any] | None) -> list[str]:
-    """The ``export`` lines for a job, from its status (pure)."""
+    """The ``export`` lines for a job, from its status (pure): ``STAGINGLOADER_*`` names only, one line each."""
     if status is None:
         return []
     lines = []
@@ -283,7 +301,9 @@ def task_prolog_lines(status: dict[str, Any] | None) -> list[str]:
     if state == "failed" and not status.get("datasets"):
         return [f"export STAGINGLOADER_STATUS=failed: {_one_line(status.get('reason', ''))}"]
     for i, d in enumerate(status.get("datasets", [])):
-        suffix = f"_{d['name'].upper()}" if d.get("name") else (f"_{i}" if i else "")
+        name = d.get("name")
+        named = isinstance(name, str) and _NAME.match(name)
+        suffix = f"_{str(name).upper()}" if named else (f"_{i}" if i else "")
         names = [suffix, ""] if suffix and i == 0 else [suffix]  # the first dataset also without a suffix
         if d.get("state") == "ok":
             value = "streaming" if d.get("streaming") else "ok"
@@ -293,20 +313,22 @@ def task_prolog_lines(status: dict[str, Any] | None) -> list[str]:
             value = "staging"
         for s in names:
             if d.get("root"):
-                lines.append(f"export STAGINGLOADER_DATASET{s}={d['root']}")
+                lines.append(f"export STAGINGLOADER_DATASET{s}={_value(d['root'])}")
             lines.append(f"export STAGINGLOADER_STATUS{s}={value}")
         if i == 0 and not d.get("shared") and d.get("roots"):
-            lines.append(f"export STAGINGLOADER_ROOT={d.get('staging_root') or d['roots'][0]}")
+            lines.append(f"export STAGINGLOADER_ROOT={_value(d.get('staging_root') or d['roots'][0])}")
     return lines
 
 
 def task_prolog(env: Mapping[str, str]) -> int:
+    """Print the job's ``export`` lines from what root wrote for this job and user only (``jobstate.read_view``)."""
     try:
         cfg = site_config.load(env)
         job = _job(env)
+        user = JobUser.from_env(env)
     except UsageError:
         return 0
-    status = jobstate.read_view(cfg, job)
+    status = jobstate.read_view(cfg, job, user)
     if status is None and is_request(env.get("SLURM_JOB_COMMENT", "")):
         status = {"state": "failed", "reason": "the prolog left no status (is the stagingloader Prolog configured, "
                                                "with PrologFlags=Alloc?)", "datasets": []}
@@ -324,12 +346,12 @@ def epilog(env: Mapping[str, str]) -> int:
         user = JobUser.from_env(env)
     except UsageError:
         return 0
-    record = jobstate.read_record(cfg, job)  # never the job's copy: its user can write that
+    record = jobstate.read_record(cfg, job)  # never the job's view: it is for the task prolog, in her folder
     if record is None:
         return 0
     if record.get("uid") != user.uid:  # left by an older job with this id, another user's: not this job's
         log.warning("stagingloader epilog: job %s: dropped a record of uid %s's job", job, record.get("uid"))
-        jobstate.remove(cfg, job)
+        jobstate.remove(cfg, job, None)
         return 0
     say = JobLog(cfg, job, "epilog", user)
     try:
@@ -353,7 +375,7 @@ def _trusted_entry(cfg: site_config.SiteConfig, user: JobUser, d: Any, say: JobL
         say(f"ignored {dd}: not in a staging folder of this job")
         dd = None
     return {"src": d["src"], "shared": shared, "roots": roots, "dataset_dir": dd, "ok": d.get("state") == "ok",
-            "shard": d.get("shard")}
+            "shard": d.get("shard"), "version": d.get("version") if isinstance(d.get("version"), str) else None}
 
 
 def _epilog(cfg: site_config.SiteConfig, job: str, user: JobUser, record: dict[str, Any], say: JobLog) -> None:
@@ -381,7 +403,8 @@ def _epilog(cfg: site_config.SiteConfig, job: str, user: JobUser, record: dict[s
                 say(f"released {lease} on {dd}")
         else:  # the user's folder: everything in it is done as the user
             op = {"op": "release", "lease": lease, "cleanup": not d["ok"], "dataset_dir": d["dataset_dir"],
-                  "src": d["src"], "shard": d["shard"], "roots": [str(r) for r in d["roots"]]}
+                  "src": d["src"], "shard": d["shard"], "roots": [str(r) for r in d["roots"]], "job": job,
+                  "version": d["version"]}
             answer = run_worker(op, user)
             say(f"released {lease} in {', '.join(op['roots'])}: {answer}")
     if cfg.keep_bytes is not None:
@@ -397,7 +420,7 @@ def _epilog(cfg: site_config.SiteConfig, job: str, user: JobUser, record: dict[s
                 result = run_worker({"op": "gc", "root": str(folder), "keep_bytes": cfg.keep_bytes}, user)
             say(f"evicted under {cfg.keep_bytes} bytes in {folder}: removed {result.get('removed')}, "
                 f"kept in use {result.get('busy')}")
-    jobstate.remove(cfg, job)
+    jobstate.remove(cfg, job, user)
 
 
 def _datasets_named(d: dict[str, Any]) -> list[Path]:

@@ -1,15 +1,21 @@
-"""What the hooks keep per job: root's record, the job's copy of it, and the job's log.
+"""What the hooks keep per job: root's record, the job's view of it, root's log and the job's copy of the log.
 
-- **Root's record**, ``<state_dir>/root/job-<id>.json`` (root, 0600, in a 0700 folder): what the
-  epilog acts on (the supervisor's pid and start time, the datasets and the folders they went to).
-  No user can write it, so nothing a user writes decides what root signals, releases or evicts.
-- **The job's copy**, ``<state_dir>/job-<id>.json`` (owned by the job's user, 0600): what the task
-  prolog (running as the user) turns into ``STAGINGLOADER_*`` variables.  Root writes it and never
-  reads it back.
-- **The job's log**, ``<log_dir>/<id>.log`` (owned by the job's user, 0600), appended to by root.
+Every file here is root's: root-owned, not writable by the job's user, written by root (issue 23).
 
-``state_dir`` and ``log_dir`` must be folders only root can change (checked every time, see
-:mod:`.rootsafe`); every file in them is opened with ``O_NOFOLLOW``.
+- **Root's record**, ``<state_dir>/root/job-<id>.json`` (0600, in a 0700 folder): what the epilog acts on (the
+  supervisor's pid and start time, the datasets and the folders they went to).
+- **The job's view**, ``<state_dir>/users/<user>/job-<id>.json`` (root's, 0644) in a folder of the user's own
+  (0700: nobody else can read it): what the task prolog (running as the user) turns into ``STAGINGLOADER_*``
+  variables.  It names its job and user; the task prolog reads it only while it is a plain file root owns with
+  this job's id and this user's uid (a file she put there, or a view she kept back from another job, is not).
+  Root writes it and never reads it back.
+- **Root's log**, ``<log_dir>/<id>.log`` (0600), and **the job's copy**, ``<log_dir>/users/<user>/<id>.log``
+  (root's, 0644, in her 0700 folder): the same lines, appended by root to both.
+
+``state_dir`` and ``log_dir`` must be folders only root can change (checked every time, see :mod:`.rootsafe`).
+Files in root's folders are opened with ``O_NOFOLLOW``; in the user's folders through a descriptor of the
+folder, and only root's own plain files are appended to or kept (:func:`.rootsafe.append_in`).  So she can
+neither grow root's files nor write on through a descriptor kept open: she never has one that writes.
 """
 
 from __future__ import annotations
@@ -32,41 +38,48 @@ log = logging.getLogger(__name__)
 
 
 class JobLog:
-    """``<log_dir>/<jobid>.log``: one per job and node folder, owned by the job's user so they can read it."""
+    """Root's log of a job (``<log_dir>/<id>.log``) and the job's copy in the user's own folder, one line per event."""
 
     def __init__(self, cfg: site_config.SiteConfig, job: str, hook: str, user: JobUser | None) -> None:
         self.hook = hook
         self.node = cfg.node or socket.gethostname()
-        self.file: TextIO | None = None
+        self.file: TextIO | None = None  #: root's log (the supervisor's stdout and stderr too)
+        self.copy: TextIO | None = None  #: the job's copy, for its user
         try:
             d = rootsafe.make_trusted_dir(cfg.path(cfg.log_dir), 0o755)
-            path = d / f"{job}.log"
-            owners = {os.geteuid()} | ({user.uid} if user is not None else set())
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
-                fd = rootsafe.open_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-                if os.fstat(fd).st_uid not in owners:  # an older job's (a job id reused): not this user's to read
-                    os.close(fd)
-                    raise CacheError(f"{path} belongs to another job")
-            except CacheError:  # not a plain file of this job: root's folder, so root may replace it
-                path.unlink()
-                fd = rootsafe.open_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
-            if user is not None and os.geteuid() == 0:
-                os.fchown(fd, user.uid, user.gid)
-            self.file = os.fdopen(fd, "a", buffering=1)
+                self.file = os.fdopen(rootsafe.append_in(dfd, f"{job}.log", 0o600), "a", buffering=1)
+            finally:
+                os.close(dfd)
         except (OSError, CacheError) as e:
             log.error("stagingloader %s: no job log in %s: %s", hook, cfg.log_dir, e)
+            return
+        if user is None or os.geteuid() != 0:
+            return
+        try:
+            users = rootsafe.make_trusted_dir(d / "users", 0o755)
+            ufd = rootsafe.user_dir(users / user.name, user.uid, user.gid)
+            try:
+                self.copy = os.fdopen(rootsafe.append_in(ufd, f"{job}.log", 0o644), "a", buffering=1)
+            finally:
+                os.close(ufd)
+        except (OSError, CacheError) as e:
+            self(f"no copy of this log for {user.name}: {e}")
 
     def __call__(self, text: str) -> None:
         line = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {self.node} {self.hook}[{os.getpid()}]: {text}"
         log.info("%s", line)
-        if self.file is not None:
-            with contextlib.suppress(OSError):
-                self.file.write(line + "\n")
+        for f in (self.file, self.copy):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.write(line + "\n")
 
     def close(self) -> None:
-        if self.file is not None:
-            with contextlib.suppress(OSError):
-                self.file.close()
+        for f in (self.file, self.copy):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
 
 
 def state_dir(cfg: site_config.SiteConfig) -> Path:
@@ -74,36 +87,40 @@ def state_dir(cfg: site_config.SiteConfig) -> Path:
     return rootsafe.make_trusted_dir(cfg.path(cfg.state_dir), 0o755)
 
 
-def view_path(cfg: site_config.SiteConfig, job: str) -> Path:
-    return cfg.path(cfg.state_dir) / f"job-{job}.json"
+def view_path(cfg: site_config.SiteConfig, job: str, user: JobUser) -> Path:
+    return cfg.path(cfg.state_dir) / "users" / user.name / f"job-{job}.json"
 
 
 def record_path(cfg: site_config.SiteConfig, job: str) -> Path:
     return cfg.path(cfg.state_dir) / "root" / f"job-{job}.json"
 
 
-def _write(path: Path, data: bytes, owner: JobUser | None) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    fd = rootsafe.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+def _write(folder: Path, name: str, data: bytes, mode: int) -> None:
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        if owner is not None and os.geteuid() == 0:
-            os.fchown(fd, owner.uid, owner.gid)
-        os.write(fd, data)
+        rootsafe.write_in(dfd, name, data, mode)
     finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        os.close(dfd)
 
 
 def write_status(cfg: site_config.SiteConfig, job: str, user: JobUser | None, status: dict[str, Any]) -> None:
-    """Root's record (what the epilog acts on), then the job's copy (what the task prolog reads)."""
+    """Root's record (what the epilog acts on), then the job's view (what the task prolog reads)."""
     d = state_dir(cfg)
-    rootsafe.make_trusted_dir(d / "root", 0o700)
+    folder = rootsafe.make_trusted_dir(d / "root", 0o700)
     record = {**status, "uid": user.uid if user is not None else None}  # whose job: job ids can come back
-    _write(record_path(cfg, job), json.dumps(record, indent=1).encode(), None)
-    view = {k: v for k, v in status.items() if k != "supervisor"}
-    _write(view_path(cfg, job), json.dumps(view, indent=1).encode(), user)
+    _write(folder, f"job-{job}.json", json.dumps(record, indent=1).encode(), 0o600)
+    if user is None or os.geteuid() != 0:
+        return
+    view = {"job": job, "uid": user.uid, **{k: v for k, v in status.items() if k != "supervisor"}}
+    try:
+        users = rootsafe.make_trusted_dir(d / "users", 0o755)
+        ufd = rootsafe.user_dir(users / user.name, user.uid, user.gid)
+        try:
+            rootsafe.write_in(ufd, f"job-{job}.json", json.dumps(view, indent=1).encode(), 0o644)
+        finally:
+            os.close(ufd)
+    except (OSError, CacheError) as e:  # her folder is not usable (she made it a link...): her job goes without
+        log.warning("stagingloader: job %s: no status for %s in %s: %s", job, user.name, d / "users", e)
 
 
 def read_record(cfg: site_config.SiteConfig, job: str) -> dict[str, Any] | None:
@@ -126,16 +143,34 @@ def read_record(cfg: site_config.SiteConfig, job: str) -> dict[str, Any] | None:
         os.close(fd)
 
 
-def read_view(cfg: site_config.SiteConfig, job: str) -> dict[str, Any] | None:
-    """The job's copy, for the task prolog (running as the job's user: it reads only what it may)."""
-    try:
-        data = json.loads(view_path(cfg, job).read_text())
-        return data if isinstance(data, dict) else None
-    except (OSError, ValueError):
+def read_view(cfg: site_config.SiteConfig, job: str, user: JobUser) -> dict[str, Any] | None:
+    """The job's view, for the task prolog (running as the job's user): only what root wrote for this job and
+    this user (a plain file root owns, naming both); None for anything else."""
+    raw = rootsafe.read_roots(view_path(cfg, job, user))
+    if raw is None:
         return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or data.get("job") != job or data.get("uid") != user.uid:
+        return None  # another job's, kept back: stale
+    return data
 
 
-def remove(cfg: site_config.SiteConfig, job: str) -> None:
-    for p in (view_path(cfg, job), record_path(cfg, job)):
-        with contextlib.suppress(OSError):
-            p.unlink()
+def remove(cfg: site_config.SiteConfig, job: str, user: JobUser | None) -> None:
+    """Drop root's record and the job's view (the logs stay)."""
+    with contextlib.suppress(OSError):
+        record_path(cfg, job).unlink()
+    if user is None:
+        return
+    try:
+        ufd = os.open(view_path(cfg, job, user).parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        if os.fstat(ufd).st_uid == user.uid:
+            with contextlib.suppress(OSError):
+                rootsafe.remove_in(ufd, f"job-{job}.json")
+    finally:
+        os.close(ufd)

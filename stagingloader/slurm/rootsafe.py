@@ -10,9 +10,13 @@ Three rules, each a function here:
   opened with ``O_NOFOLLOW``, so a ``chown``/``chmod`` never lands on a link's target.
 - **Files are opened, never followed.**  :func:`open_file` opens with ``O_NOFOLLOW | O_NONBLOCK``
   (a planted FIFO cannot hang a hook) and checks what it got is a regular file.
+- **Root's files are root's.**  What root writes for a user (the job's status, its log) is a file root owns,
+  not writable by the user, written by root: in root's folders, or, for the user to read, in a folder of the
+  user's own (:func:`user_dir`), reached through a descriptor, where :func:`write_in` and :func:`append_in`
+  create, replace and append only root's own plain files (a user's file, link or FIFO there is replaced).
 - **Root signals only what it started.**  :func:`stop_group` signals a process group only while its
-  leader is the process root recorded: pid > 1, same start time (``/proc/PID/stat``), owned by
-  root, leading its own session.  Never ``kill(-1)``, never a group a file can name.
+  leader is the process root recorded: pid > 1, same start time (:mod:`..procid`: a zombie is gone),
+  owned by root, leading its own session.  Never ``kill(-1)``, never a group a file can name.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import secrets
 import signal
 import stat
 import time
@@ -27,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import procid
 from ..errors import CacheError
 
 _MAX_LINKS = 8
@@ -81,6 +87,10 @@ def _others_can_write(st: os.stat_result) -> bool:
     return bool(st.st_mode & 0o020) and (st.st_gid >= _gid_min() or st.st_gid == 100)
 
 
+class MissingError(CacheError):
+    """A folder on the way does not exist (nobody holds the path: a mount or a boot-time folder is missing)."""
+
+
 def _refuse(path: Path, why: str) -> CacheError:
     return CacheError(f"{path} is {describe(path)}: {why}; the hooks will not use it until an admin removes it "
                       "(create the hooks' folders at boot, root-owned: see docs/slurm.md)")
@@ -103,7 +113,7 @@ def check_trusted_dir(path: Path, *, sticky_ok: bool = False, _depth: int = 0) -
         try:
             st = os.lstat(cur)
         except FileNotFoundError:
-            raise CacheError(f"{cur} does not exist") from None
+            raise MissingError(f"{cur} does not exist") from None
         if stat.S_ISLNK(st.st_mode) and not final and st.st_uid in trusted:
             target = Path(os.path.realpath(cur))  # a link root made (/var/run -> /run): check where it leads
             check_trusted_dir(target, sticky_ok=True, _depth=_depth + 1)
@@ -182,6 +192,103 @@ def open_file(path: Path, flags: int, mode: int = 0o600) -> int:
     return fd
 
 
+# ---- root's files in a user's folder ---------------------------------------------------------------
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+def user_dir(path: Path, uid: int, gid: int) -> int:
+    """A descriptor of ``path``: the user ``uid``'s own folder (0700, created in root's checked folder if missing).
+
+    Raises :class:`CacheError` when something else holds the path (a link, a file, another uid's folder).  Root
+    then works in it only through this descriptor: a link planted later in its place changes nothing.
+    """
+    check_trusted_dir(path.parent)
+    ensure_dir(path, 0o700, uid, gid)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        raise _refuse(path, f"not a folder owned by {owner(uid)}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+        os.close(fd)
+        raise _refuse(path, f"not a folder owned by {owner(uid)}")
+    return fd
+
+
+def _is_ours(st: os.stat_result) -> bool:
+    """A plain file this process (root) owns, one name only, that only its owner can write."""
+    return (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
+            and not st.st_mode & 0o022)
+
+
+def write_in(dfd: int, name: str, data: bytes, mode: int) -> None:
+    """Replace ``name`` in the folder ``dfd`` with a new file of this process's, ``mode``: a fresh temp name
+    (``O_EXCL``, never through a link), then a rename in that same folder."""
+    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, mode, dir_fd=dfd)
+    try:
+        os.fchmod(fd, mode)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.close(fd)
+        fd = -1
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
+
+
+def append_in(dfd: int, name: str, mode: int) -> int:
+    """A descriptor appending to ``name`` in the folder ``dfd``: a plain file this process owns there, else (absent,
+    or anything else: a user's file, a link, a FIFO, a second name of another file) a new one in its place."""
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_APPEND | _NOFOLLOW, dir_fd=dfd)
+    except OSError:  # absent, a link (ELOOP), a FIFO nobody reads (ENXIO), a folder (EISDIR)
+        fd = -1
+    if fd >= 0:
+        if _is_ours(os.fstat(fd)):
+            os.fchmod(fd, mode)
+            return fd
+        os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=dfd)
+    fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | _NOFOLLOW, mode, dir_fd=dfd)
+    os.fchmod(fd, mode)
+    return fd
+
+
+def remove_in(dfd: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=dfd)
+
+
+def read_roots(path: Path, limit: int = 1 << 20) -> bytes | None:
+    """The bytes of ``path`` if it is a plain file root wrote: owned by root, one name, writable by root only
+    (never through a link, a FIFO never blocks); None otherwise.  For a reader that is not root (the task
+    prolog): a file in the user's own folder that she replaced, or kept back, is not root's."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) and st.st_uid == 0 and st.st_nlink == 1 and not st.st_mode & 0o022):
+            return None
+        chunks, left = [], limit
+        while left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 # ---- processes -------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class ProcessInfo:
@@ -193,32 +300,18 @@ class ProcessInfo:
 
 
 def process_info(pid: int) -> ProcessInfo | None:
-    """What ``/proc/PID`` says of a live process (None: gone, or pid not > 1)."""
+    """What ``/proc/PID`` says of a running process (None: gone, a zombie, or pid not > 1)."""
     if pid <= 1:
         return None
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        uid = os.stat(f"/proc/{pid}").st_uid
-        # after the name: state ppid pgrp session ... starttime (field 22 of the whole line)
-        return ProcessInfo(pid=pid, uid=uid, pgrp=int(fields[2]), session=int(fields[3]), start=int(fields[19]))
-    except (OSError, IndexError, ValueError):
+    st, uid = procid.running(pid), procid.owner(pid)
+    if st is None or uid is None:
         return None
+    return ProcessInfo(pid=pid, uid=uid, pgrp=st.pgrp, session=st.session, start=st.start)
 
 
 def _group_running(pgid: int) -> bool:
     """Does any process of group ``pgid`` still run (not a zombie)?"""
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if len(fields) > 2 and fields[2] == str(pgid).encode() and fields[0] != b"Z":
-            return True
-    return False
+    return any(st is not None and st.pgrp == pgid for st in map(procid.running, procid.all_pids()))
 
 
 def me() -> dict[str, int]:

@@ -2,9 +2,11 @@
 
 The hooks run the way slurmd runs them (root, Slurm's environment, ``python -m stagingloader slurm
 prolog|epilog``); the attacker's steps run as ``sltest`` through ``runuser``.  The attacker owns
-whatever the hooks hand them (their status file, their log, their staging folder) and can write
-into world-writable sticky folders like ``/dev/shm``; each test rewrites or plants what they can
-and asserts that root neither signals, writes, renames, deletes nor drains anything because of it.
+what the hooks hand them (their staging folder, the folders where root puts their job's status and
+log) and can write into world-writable sticky folders like ``/dev/shm``; each test rewrites or plants
+what they can and asserts that root neither signals, writes, renames, deletes nor drains anything
+because of it.  (The status and log files themselves are root's since issue 23: the user can replace
+her status in her folder, never root's record; see test_attacks_hooks.py.)
 """
 
 from __future__ import annotations
@@ -76,13 +78,21 @@ def hooks() -> Iterator[Hooks]:
 
 
 def forge(hooks: Hooks, status: dict[str, Any]) -> list[Path]:
-    """As the job's user: rewrite every file of the state folder they can write (and say which)."""
+    """As the job's user: rewrite every file of the state folder they can (one they can write, or one in a folder
+    of theirs, which they replace with their own), and say which.  Root's files are root's (issue 23), so what is
+    left to forge is the job's view in the user's own folder."""
     forged = []
     for p in sorted((hooks.base / "state").rglob("*")):
-        if p.is_file() and as_user("test", "-w", str(p), check=False).returncode == 0:
+        if not p.is_file():
+            continue
+        if as_user("test", "-w", str(p), check=False).returncode == 0:
             as_user(sys.executable, "-c", "import sys; open(sys.argv[1], 'w').write(sys.argv[2])", str(p),
                     json.dumps(status))
-            forged.append(p)
+        elif as_user("test", "-w", str(p.parent), check=False).returncode == 0:
+            as_user("sh", "-c", 'rm -f "$1" && printf "%s" "$2" > "$1"', "sh", str(p), json.dumps(status))
+        else:
+            continue
+        forged.append(p)
     return forged
 
 
@@ -260,7 +270,8 @@ def test_the_epilog_still_stops_the_stager_it_started(hooks: Hooks) -> None:
 
 
 def test_a_job_log_left_by_another_users_job_is_not_handed_over(hooks: Hooks) -> None:
-    """Job ids restart (a reinstalled controller): the new job's user must not get the old job's log."""
+    """Job ids restart (a reinstalled controller): the new job's user must not get the old job's log, and a log
+    that is not root's own (here: left by an older version that handed logs over) is replaced, never appended to."""
     other = ensure_user("sltest2")
     old = hooks.base / "log" / "29.log"
     old.parent.mkdir(mode=0o755)
@@ -268,5 +279,8 @@ def test_a_job_log_left_by_another_users_job_is_not_handed_over(hooks: Hooks) ->
     os.chown(old, other.pw_uid, other.pw_gid)
     old.chmod(0o600)
     staged_job(hooks, 29)
-    assert old.stat().st_uid == hooks.user.pw_uid
+    assert old.stat().st_uid == 0 and old.stat().st_mode & 0o777 == 0o600
     assert "sltest2" not in old.read_text() and "asks" in old.read_text()
+    copy = hooks.base / "log" / "users" / USER / "29.log"
+    assert as_user("cat", str(copy)).stdout == old.read_text()
+    assert as_user("cat", str(old), check=False).returncode != 0

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.slurm import ensure_user, job_user
+from tests.support.slurm import ensure_user, job_user, task_prolog_exports
 from tests.support.trees import make_tree, tree_digests
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the hooks run as root and drop to a job user")
@@ -56,18 +56,16 @@ class Hooks:
                               capture_output=True, text=True, timeout=60, cwd="/", **kw)
 
     def status(self, job: int) -> dict[str, Any] | None:
-        p = self.base / "state" / f"job-{job}.json"
+        """The job's view: what root wrote for the task prolog, in the user's own folder."""
+        p = self.base / "state" / "users" / USER / f"job-{job}.json"
         return json.loads(p.read_text()) if p.exists() else None
 
     def exports(self, comment: str, job: int) -> dict[str, str]:
+        """What the task prolog puts into the job's environment, read as slurmstepd reads it."""
         proc = self.hook("task-prolog", comment, job, as_user=True)
         assert proc.returncode == 0, proc.stderr
-        out = {}
-        for line in proc.stdout.splitlines():
-            assert line.startswith("export "), line
-            k, _, v = line[7:].partition("=")
-            out[k] = v
-        return out
+        assert all(line.startswith("export ") for line in proc.stdout.split("\n") if line), proc.stdout
+        return dict(task_prolog_exports(proc.stdout))
 
     def log(self, job: int) -> str:
         p = self.base / "log" / f"{job}.log"
@@ -111,7 +109,13 @@ def test_full_cycle_in_process_order(hooks: Hooks) -> None:
     assert not (ddir / "leases" / "slurm-job-2.json").exists()
     assert ddir.exists()  # no keep_bytes: kept for the next job
     assert hooks.status(2) is None
-    assert (hooks.base / "log" / "2.log").stat().st_uid == hooks.user.pw_uid
+    # root's log is root's; the user reads a copy root writes in a folder of her own
+    assert (hooks.base / "log" / "2.log").stat().st_uid == 0
+    assert (hooks.base / "log" / "2.log").stat().st_mode & 0o777 == 0o600
+    copy = hooks.base / "log" / "users" / USER / "2.log"
+    assert copy.stat().st_uid == 0 and copy.stat().st_mode & 0o777 == 0o644
+    assert copy.parent.stat().st_uid == hooks.user.pw_uid and copy.parent.stat().st_mode & 0o777 == 0o700
+    assert copy.read_text() == (hooks.base / "log" / "2.log").read_text()
 
 
 def test_detached_stager_past_the_budget(hooks: Hooks) -> None:

@@ -57,5 +57,5 @@ def test_prolog_streams_and_epilog_stops(hooks: Hooks) -> None:  # noqa: F811
         assert ddir.current() == entry["version"]
         assert tree_digests(Path(entry["root"])) == tree_digests(src)
     else:
-        assert final.state == "copying" and "lease slurm-job-7 is gone" in (final.error or "")
+        assert final.state == "stopped" and "lease slurm-job-7 is gone" in (final.error or "")
         assert ddir.current() is None

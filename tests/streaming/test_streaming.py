@@ -34,8 +34,9 @@ FILES = {f"ds/{i:03d}.bin": 4096 + 61 * i for i in range(60)}
 
 
 @pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    with isolated_s3(BUCKET, {k: content(k, n) for k, n in FILES.items()}) as server:
+def s3(s3_server: S3Server) -> Iterator[S3Server]:
+    """The session's server, with this module's bucket."""
+    with isolated_s3(BUCKET, {k: content(k, n) for k, n in FILES.items()}, server=s3_server) as server:
         yield server
 
 
@@ -253,7 +254,7 @@ def test_release_stops_the_stager_and_the_next_stage_resumes(s3: S3Server, root:
         ds.release()
         assert proc.returncode == 0  # stopped cleanly on SIGTERM
         state = protocol.read_state(sdir)
-        assert state is not None and state.state == "copying" and "stopped" in (state.error or "")
+        assert state is not None and state.state == "stopped" and "stopped" in (state.error or "")
         with pytest.raises(sl.StagerFailedError, match="gone"):
             ds.stream.wait()
         proxy.link = Bandwidth(None)
@@ -279,7 +280,7 @@ def test_the_stager_stops_when_its_lease_is_released(s3: S3Server, root: Path) -
             gate.set()
         _until(lambda: not _state(sdir).alive, "the stager to end")
     state = _state(sdir)
-    assert state.state == "copying" and "lease job-9 is gone" in (state.error or "")
+    assert state.state == "stopped" and "lease job-9 is gone" in (state.error or "")
     assert DatasetDir(Path(out["dataset_dir"])).current() is None
 
 

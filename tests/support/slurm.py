@@ -293,3 +293,16 @@ def cluster(**kwargs: Any) -> Iterator[SlurmCluster]:
     finally:
         c.stop()
         c.remove()
+
+
+def task_prolog_exports(stdout: str) -> list[tuple[str, str]]:
+    """A TaskProlog's output read as slurmstepd reads it (``_proc_stdout`` in src/slurmd/slurmstepd/task.c): lines
+    end at ``\\n`` only, ``export NAME=value`` sets NAME to everything after the first ``=`` up to the end of its
+    line, verbatim (no quotes are removed), and a NUL ends the output.  Other lines are ignored."""
+    out = []
+    for line in stdout.split("\0", 1)[0].split("\n"):
+        if line.startswith("export "):
+            name, sep, value = line[7:].lstrip().partition("=")
+            if sep:
+                out.append((name.rstrip(), value))
+    return out
