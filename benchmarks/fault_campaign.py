@@ -3,7 +3,7 @@
     python benchmarks/fault_campaign.py            # the full campaign (as root: it mounts a small tmpfs)
     python benchmarks/fault_campaign.py --quick    # the slice CI runs (tests/staging/test_fault_campaign.py)
 
-Five parts, each on real files and processes:
+Seven parts, each on real files and processes:
 
 1. **kills**: a stager (or gc) in a child process SIGKILLs itself at the n-th call of a chosen step (listing a
    folder, copying a large file's range, copying a small file of a batch, flushing the journal, saving the
@@ -15,7 +15,13 @@ Five parts, each on real files and processes:
 3. **ENOSPC**: a real 16 MiB tmpfs filled by another writer at a random moment of a stage; then freed, and the
    stage resumed;
 4. **rewrite**: a source file rewritten in place, same size, while it is copied;
-5. **s3**: an object overwritten between the ranges of its copy (a real S3 server behind the fault proxy).
+5. **s3**: an object overwritten between the ranges of its copy (a real S3 server behind the fault proxy);
+6. **interrupt**: ``stagingloader stage`` sent SIGINT or SIGTERM at a random moment (100 of them; 10 in the slice):
+   it exits within a bound with 130 or 143, no traceback, and the next stage resumes;
+7. **ckpt_restore**: checkpoints' restore paths (``ckpt restore``, ``Checkpoints.load()``'s restore from the remote,
+   ``ckpt drain``) SIGKILLed after a random number of bytes, with the commit marker half written, or at a random
+   moment (80 of them; 16 in the slice): every step a tier shows complete verifies, and the next load gets the
+   newest step, verified.
 
 Reported: runs, faults injected, corrupt visible files (must be 0), versions lost under a live lease (0),
 resumes that completed (all).
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import random
@@ -410,9 +417,207 @@ def part_s3(work: Path, quick: bool) -> dict[str, Any]:
     return dict(out)
 
 
+# ---- 6. Ctrl-C and SIGTERM at random moments ----------------------------------------------------------------
+
+#: how long an interrupted ``stagingloader stage`` may take to exit before it counts as hung (the goal is 2 s; the
+#: bound leaves room for a loaded CI machine)
+INTERRUPT_BOUND_S = 6.0
+
+
+def part_interrupt(work: Path, quick: bool) -> dict[str, Any]:
+    """``stagingloader stage`` sent SIGINT or SIGTERM (alternately) at a random moment, from its start-up to its
+    last file: it must exit within the bound with 130 or 143 and no traceback, leave nothing corrupt, and the next
+    stage must resume to the source's exact tree."""
+    out: Counter[str] = Counter()
+    rng = random.Random(6)
+    n = 600 if quick else 2000
+    src = make_tree(work / "int-src", {f"d{i % 7}/f{i:04d}.bin": 200 + (i * 7919) % 150_000 for i in range(n)}
+                    | {"big/a.bin": 96 << 20, "big/b.bin": 64 << 20})
+    expected = tree_digests(src)
+    root = work / "int-root"
+    cmd = [sys.executable, "-m", "stagingloader", "stage", str(src), "--root", str(root), "-q"]
+    root.mkdir()
+    t0 = time.monotonic()
+    subprocess.run(cmd, check=True, capture_output=True, cwd=REPO)  # how long a whole stage takes here, now
+    whole = time.monotonic() - t0
+    shutil.rmtree(root)
+    out["seconds a whole stage takes"] = round(whole, 2)
+    for trial in range(10 if quick else 100):
+        root.mkdir()
+        sig = signal.SIGINT if trial % 2 == 0 else signal.SIGTERM
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+        time.sleep(rng.uniform(0.1, 0.95) * whole)  # from start-up to the last file
+        proc.send_signal(sig)
+        t0 = time.monotonic()
+        out["runs"] += 1
+        try:
+            code = proc.wait(INTERRUPT_BOUND_S)
+        except subprocess.TimeoutExpired:
+            out["hung"] += 1
+            print(f"hung: {sig.name} trial {trial}", file=sys.stderr)
+            proc.kill()
+            code = proc.wait()
+        out["slowest exit (ms)"] = max(out["slowest exit (ms)"], int(1000 * (time.monotonic() - t0)))
+        err = proc.stderr.read().decode() if proc.stderr is not None else ""
+        if code == 0:
+            out["finished before the signal"] += 1
+        elif code == -sig and not any(f"stagingloader/{room}/" in err for room in ("cli", "staging", "engine",
+                                                                                 "sources", "cache")):
+            out["signalled while Python started"] += 1  # before the command's code ran (nothing written yet):
+            # Python's own exit, -2 with its traceback or -15
+        else:
+            out["faults"] += 1
+            want = {signal.SIGINT: 130, signal.SIGTERM: 143}[sig]
+            if code != want or "Traceback" in err:
+                out["bad exits"] += 1
+                print(f"bad exit: {sig.name} trial {trial}: {code} {err[-400:]}", file=sys.stderr)
+        out["corrupt visible files"] += check_visible(root, expected)
+        out["resumes"] += 1
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        staged = [d for d in root.iterdir() if (d / "current").is_symlink()]
+        out["resumes completed"] += done.returncode == 0 and len(staged) == 1 and \
+            tree_digests(staged[0] / "current" / "data") == expected
+        shutil.rmtree(root)
+    return dict(out)
+
+
+# ---- 7. checkpoints: a restore or drain killed at random points -------------------------------------------------
+
+_CKPT_CHILD = r"""
+import contextlib, os, signal, sys, threading
+from stagingloader.checkpoints import tiers
+kind, at, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+if kind.endswith("bytes"):  # after `at` bytes reached the tier being written
+    real, written = tiers.FolderTier.writing, [0]
+    @contextlib.contextmanager
+    def writing(self, step, rel):
+        with real(self, step, rel) as f:
+            class Killer:
+                def write(self, data):
+                    written[0] += len(memoryview(data).cast("B"))
+                    if written[0] >= at:
+                        die()
+                    return f.write(data)
+            yield Killer()
+    tiers.FolderTier.writing = writing
+elif kind.endswith("marker"):  # while the commit marker is half written (its temp file), at the at-th marker
+    real_write, markers = tiers.atomic_write, [0]
+    def half(path, data, **kw):
+        if path.endswith(".stagingloader-checkpoint.json"):
+            markers[0] += 1
+            if markers[0] >= at:
+                name = ".stagingloader-tmp-killed-" + os.path.basename(path)
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=kw.get("dir_fd"))
+                os.write(fd, data[: len(data) // 2])
+                die()
+        real_write(path, data, **kw)
+    tiers.atomic_write = half
+from stagingloader.checkpoints import Checkpoints
+from stagingloader.checkpoints.restore import candidates, ensure_local
+from stagingloader.cli.main import main
+if kind.endswith("time"):  # at a moment: `at` milliseconds after the work starts (everything is imported)
+    timer = threading.Timer(at / 1000, die)
+    timer.daemon = True
+    timer.start()
+if argv[0] == "load":  # what Checkpoints.load() does before torch.load: the newest step, whole and verified locally
+    ck = Checkpoints(local=argv[1], remote=argv[2])
+    ensure_local(ck.local, ck.remote, candidates(ck.local, ck.remote)[0], ck.policy)
+    ck.close()
+else:
+    sys.exit(main(argv))
+"""
+
+CKPT_KINDS = ("restore-bytes", "restore-marker", "restore-time", "load-bytes", "load-time", "drain-bytes",
+              "drain-marker", "drain-time")
+
+
+def part_ckpt_restore(work: Path, quick: bool) -> dict[str, Any]:
+    """Checkpoints' restore paths killed at random points: ``ckpt restore`` and ``Checkpoints.load()``'s restore
+    from the remote into a local tier, and ``ckpt drain`` to a remote, each SIGKILLed after a random number of bytes
+    written, while its commit marker is half written, or at a random moment.  Then every step a tier shows complete
+    must verify (nothing corrupt is visible), and the next load (after the next drain, for a drain) must return the
+    newest step, verified, as it was saved."""
+    import torch
+
+    from stagingloader.checkpoints import Checkpoints, TransferPolicy
+    from stagingloader.checkpoints.tiers import FolderTier, complete_steps, verify_step
+    from stagingloader.cli.main import main as cli_main
+
+    def state(step: int) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(step)
+        return {"w": torch.rand(2 << 20, generator=g), "step": step}  # 8 MiB
+
+    def same(obj: Any, step: int) -> bool:
+        return isinstance(obj, dict) and obj.get("step") == step and torch.equal(obj["w"], state(step)["w"])
+
+    def corrupt(*tops: Path) -> int:
+        bad = 0
+        for top in tops:
+            tier = FolderTier(str(top))
+            for step in complete_steps(tier):
+                marker = tier.read_marker(step)
+                wrong = verify_step(tier, step, marker) if marker is not None else {"(marker)": "gone"}
+                for rel in wrong:
+                    print(f"corrupt: {top}/step {step}/{rel}", file=sys.stderr)
+                bad += len(wrong)
+        return bad
+
+    out: Counter[str] = Counter()
+    rng = random.Random(7)
+    src, remote = work / "ckr-src", work / "ckr-remote"
+    newest = 3
+    with Checkpoints(local=src, remote=str(remote), keep_local=newest, transfer=TransferPolicy(coalesce=False)) as ck:
+        for step in range(1, newest + 1):
+            ck.save(step, state(step))
+    trials = 2 * len(CKPT_KINDS) if quick else 10 * len(CKPT_KINDS)
+    for trial in range(trials):
+        kind = CKPT_KINDS[trial % len(CKPT_KINDS)]
+        what = kind.split("-")[0]
+        local, drained = work / f"ckr-local-{trial}", work / f"ckr-drain-{trial}"
+        at = {"bytes": rng.randrange(1, 8 << 20), "marker": 1,
+              "time": rng.randrange(0, 150 if what == "drain" else 60)}[kind.split("-")[1]]
+        argv = {"restore": ["ckpt", "restore", str(remote), "--local", str(local), "-q"],
+                "load": ["load", str(local), str(remote)],
+                "drain": ["ckpt", "drain", str(src), "--remote", str(drained), "-q"]}[what]
+        proc = subprocess.run([sys.executable, "-c", _CKPT_CHILD, kind, str(at), *argv], capture_output=True,
+                              text=True, timeout=120, cwd=REPO)
+        out["runs"] += 1
+        if proc.returncode == -signal.SIGKILL:
+            out["faults"] += 1
+            out[f"killed at {kind}"] += 1
+        elif proc.returncode != 0:
+            out["unexpected failures"] += 1
+            print(f"ckpt {kind}: exit {proc.returncode}: {proc.stderr[-500:]}", file=sys.stderr)
+        out["corrupt visible files"] += corrupt(local if what != "drain" else drained, remote, src)
+        out["resumes"] += 1
+        try:
+            if what == "drain":
+                with contextlib.redirect_stdout(io.StringIO()):
+                    code = cli_main(["ckpt", "drain", str(src), "--remote", str(drained), "-q"])
+                whole = code == 0 and complete_steps(FolderTier(str(drained))) == list(range(1, newest + 1))
+                out["corrupt visible files"] += corrupt(drained)
+                with Checkpoints(local=work / f"ckr-fresh-{trial}", remote=str(drained)) as fresh:
+                    ok = whole and fresh.latest() == newest and same(fresh.load(), newest)
+            else:
+                with Checkpoints(local=local, remote=str(remote)) as again:
+                    ok = again.latest() == newest and same(again.load(), newest)
+                out["corrupt visible files"] += corrupt(local)
+            out["resumes completed"] += ok
+            if not ok:
+                print(f"ckpt {kind}: the next load did not get step {newest}, verified", file=sys.stderr)
+        except Exception as e:  # counted and shown
+            print(f"ckpt resume after {kind} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        for p in (local, drained, work / f"ckr-fresh-{trial}"):
+            shutil.rmtree(p, ignore_errors=True)
+    return dict(out)
+
+
 # ---- driver -----------------------------------------------------------------------------------------------
 
-PARTS = {"kills": part_kills, "race": part_race, "enospc": part_enospc, "rewrite": part_rewrite, "s3": part_s3}
+PARTS = {"kills": part_kills, "race": part_race, "enospc": part_enospc, "rewrite": part_rewrite, "s3": part_s3,
+         "interrupt": part_interrupt, "ckpt_restore": part_ckpt_restore}
 
 
 def run_parts(args: argparse.Namespace, work: Path, report: dict[str, Any]) -> None:
@@ -454,8 +659,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
     else:
         print("total    " + ", ".join(f"{k}: {v}" for k, v in total.items()))
+    total["hung or bad exits"] = sum(p.get("hung", 0) + p.get("bad exits", 0) for p in parts)
     ok = (total["corrupt visible files"] == 0 and total["versions lost under a live lease"] == 0
-          and total["resumes completed"] == total["resumes"])
+          and total["resumes completed"] == total["resumes"] and total["hung or bad exits"] == 0)
     return 0 if ok else 1
 
 

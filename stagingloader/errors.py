@@ -24,6 +24,7 @@ class ExitCode(IntEnum):
     FAILED = 8
     INTERNAL = 70
     INTERRUPTED = 130
+    TERMINATED = 143
 
 
 class StagingError(Exception):

@@ -70,13 +70,15 @@ def _own_folder(path: Path) -> bool:
 
 
 def datasets(root: Path) -> Iterator[DatasetDir]:
-    """The datasets under ``root``; never one that a killed ``gc`` left half-deleted (``.deleting-*``)."""
+    """The datasets under ``root`` that pass the trust rule (:func:`.trust.trusted_folder`: the caller's or root's,
+    writable by nobody else); never one that a killed ``gc`` left half-deleted (``.deleting-*``)."""
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for entry in sorted(os.scandir(root), key=lambda e: e.name):
             if entry.name.startswith("."):
                 continue
-            if entry.is_dir(follow_symlinks=False) and os.path.exists(os.path.join(entry.path, "dataset.json")):
-                yield DatasetDir(Path(entry.path))
+            path = Path(entry.path)
+            if trust.trusted_folder(path) and trust.lstat(path / "dataset.json") is not None:
+                yield DatasetDir(path)
 
 
 def sweep_deleted(root: Path) -> None:

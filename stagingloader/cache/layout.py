@@ -169,10 +169,12 @@ class DatasetDir:
         return Manifest.load(path, like=like)
 
     def read_info(self) -> dict[str, Any]:
+        """``dataset.json`` (source, selection), read bounded, never through a link or from a pipe; {} if unusable."""
         try:
-            return dict(json.loads((self.path / "dataset.json").read_text()))
+            info = json.loads(trust.read_small(self.path / "dataset.json"))
         except (OSError, ValueError):
             return {}
+        return dict(info) if isinstance(info, dict) else {}
 
     def write_info(self, info: dict[str, Any]) -> None:
         atomic_write(self.path / "dataset.json", json.dumps(info, indent=1).encode())

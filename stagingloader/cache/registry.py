@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..fsio import atomic_write
+from . import trust
 
 MAX_ROOTS = 64
 
@@ -36,8 +37,10 @@ def known_roots(env: Mapping[str, str]) -> list[Path]:
     if path is None:
         return []
     try:
-        names = json.loads(path.read_text())
+        names = json.loads(trust.read_small(path))
     except (OSError, ValueError):
+        return []
+    if not isinstance(names, list):
         return []
     return [Path(n) for n in names if isinstance(n, str) and os.path.isdir(n)]
 

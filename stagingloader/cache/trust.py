@@ -114,6 +114,42 @@ def check_file(path: Path, *, what: str) -> os.stat_result | None:
     return st
 
 
+SMALL_FILE_MAX = 1 << 20  #: the largest record file (dataset.json, a marker, settings) read whole
+
+
+def read_small(path: str | os.PathLike[str], *, dir_fd: int | None = None, limit: int = SMALL_FILE_MAX) -> bytes:
+    """The bytes of a small record file, read safely from a folder others may have written to: opened without
+    following a link and without blocking (a named pipe planted in its place would hang a plain ``open``), only if
+    it is a regular file, and at most ``limit`` bytes (OSError otherwise, ``errno`` saying why)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{kind_of(st)}, not a file", os.fspath(path))
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", os.fspath(path))
+        chunks = []
+        left = limit + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 16))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", os.fspath(path))
+        return data
+    finally:
+        os.close(fd)
+
+
+def trusted_folder(path: Path) -> bool:
+    """May a folder found under a root be read as a dataset?  Only a real folder (not a link) of the caller's or
+    root's (a site-shared copy) that nobody else can write: another user's decoy, holding a copy of the caller's
+    ``dataset.json``, is never taken for the caller's dataset."""
+    st = lstat(path)
+    return (st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid in trusted_owners()
+            and not writable_by_others(st))
+
+
 def check_parent_root(path: Path) -> None:
     """A staging root that others may write to must be sticky (as /tmp and /dev/shm are), or another user could
     rename a dataset folder away and put their own in its place."""
@@ -169,3 +205,18 @@ def unlink_under(base: Path, rel: str) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def folder_problem(st: os.stat_result, owners: frozenset[int]) -> str | None:
+    """What keeps a folder (its ``lstat``, or the ``fstat`` of a descriptor opened without following a link) from
+    the trust rule, in words ("belongs to B, not to A"...), or None: a real folder owned by one of ``owners`` that
+    nobody else can write."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"is {kind_of(st)}, not a folder"
+    if st.st_uid not in owners:
+        return f"belongs to {user_name(st.st_uid)}, not to {user_name(os.geteuid())}"
+    if writable_by_others(st):
+        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None

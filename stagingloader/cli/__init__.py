@@ -17,8 +17,12 @@ def _numpy_without_blas_threads() -> None:
         del os.environ["OPENBLAS_NUM_THREADS"]
 
 
-_numpy_without_blas_threads()
+try:  # Ctrl-C while the command starts: a line and exit 130, not a traceback
+    _numpy_without_blas_threads()
 
-from .main import main  # noqa: E402
+    from .main import main
+except KeyboardInterrupt:
+    print("stagingloader: error: interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 __all__ = ["main"]

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..cache import housekeeping, leases
+from ..cache import housekeeping, leases, trust
 from ..cache.layout import DatasetDir, dataset_key
-from ..errors import ExitCode, UsageError
+from ..errors import ExitCode, RootError, UsageError
 from ..sources.source import Source
 from ..staging.result import StagedDataset
-from ..staging.stager import StageOptions, StagePlan, run_stage
+from ..staging.stager import StageOptions, StagePlan, plan_stage, run_stage
 from ..units import human_bytes
 from .progress import make_progress
 
@@ -32,13 +33,17 @@ def _rate(nbytes: int, seconds: float) -> str:
 
 def cmd_stage(args: argparse.Namespace) -> Result:
     env = dict(os.environ)
+    no_wait = bool(getattr(args, "no_wait", False))
+    if getattr(args, "cache_limit", None) is not None and not no_wait:
+        raise UsageError("--cache-limit needs --no-wait: a dataset kept under a limit is only ever streamed")
     opts = StageOptions(root=args.root, workers=args.workers, verify=args.verify, include=tuple(args.include),
                         exclude=tuple(args.exclude), fsync=args.fsync, max_ram_fraction=args.max_ram_fraction,
-                        lock_timeout=args.lock_timeout, dry_run=args.dry_run, shard=_shard(args.shard, env),
-                        lease=args.lease or leases.default_lease_name(env), storage_options=args.storage_options)
-    if getattr(args, "cache_limit", None) is not None and not args.no_wait:
-        raise UsageError("--cache-limit needs --no-wait: a dataset kept under a limit is only ever streamed")
-    if getattr(args, "no_wait", False) and not args.dry_run:
+                        lock_timeout=args.lock_timeout, shard=_shard(args.shard, env),
+                        lease=args.lease or leases.default_lease_name(env), storage_options=args.storage_options,
+                        wait=not no_wait or args.dry_run, cache_limit=None if args.dry_run else args.cache_limit)
+    if args.dry_run:
+        return _print_plan(args, plan_stage(args.src, opts, env=env))
+    if no_wait:
         return _stage_no_wait(args, opts)
     progress = make_progress(args.quiet or args.json)
     try:
@@ -47,8 +52,6 @@ def cmd_stage(args: argparse.Namespace) -> Result:
                            holder_pid=os.getppid())
     finally:
         progress.close()
-    if isinstance(result, StagePlan):
-        return _print_plan(args, result)
     return ExitCode.OK, _print_staged(args, result)
 
 
@@ -57,7 +60,7 @@ def _stage_no_wait(args: argparse.Namespace, opts: StageOptions) -> Result:
 
     say = (lambda text: None) if args.quiet or args.json else (lambda text: print(text, flush=True))
     # the stager lives on after we return; its lease is our caller's (the job script), a named or a Slurm job's
-    ds = stage_streaming(args.src, opts, cache_limit=args.cache_limit, holder_pid=os.getppid(), on_event=say)
+    ds = stage_streaming(args.src, opts, holder_pid=os.getppid(), on_event=say)
     out: dict[str, Any] = {"ok": True, "streaming": ds.streaming, "source": ds.source,
                            "dataset_dir": str(ds.dataset_dir), "root": str(ds.root), "version": ds.version,
                            "lease": ds.lease, "files": len(ds.files), "bytes": ds.total_bytes}
@@ -146,6 +149,7 @@ def cmd_verify(args: argparse.Namespace) -> Result:
 
 
 def cmd_ls(args: argparse.Namespace) -> Result:
+    _given_root(args)
     infos = housekeeping.list_datasets(args.root, dict(os.environ))
     streams = {i.path: _stream_state(Path(i.path)) for i in infos}
     if not args.json:
@@ -166,20 +170,21 @@ def cmd_ls(args: argparse.Namespace) -> Result:
 
 def _stream_state(ddir: Path) -> str:
     """A streaming run's state, in words, for ``ls`` ('' if none streams there)."""
-    from ..streaming.protocol import COPYING, read_state, stream_dir
+    from ..streaming.protocol import COPYING, STOPPED, read_state, stream_dir
 
     s = read_state(stream_dir(ddir))
-    if s is None or s.state != COPYING:
+    if s is None or s.state not in (COPYING, STOPPED):
         return ""
     done = f"{s.files_done}/{s.files_total} files, {human_bytes(s.bytes_done)}/{human_bytes(s.bytes_total)}"
     limit = (f", cache limit {human_bytes(s.cache_limit)} ({s.evicted_files} evicted): never published complete"
              if s.cache_limit is not None else "")
-    if not s.alive:
+    if s.state == STOPPED or not s.alive:
         return f"streaming stopped at {done}{limit}; `stagingloader stage SRC` resumes"
     return f"streaming {done} (stager pid {s.pid}, publishes {s.version} when complete){limit}"
 
 
 def cmd_gc(args: argparse.Namespace) -> Result:
+    _given_root(args)
     result = housekeeping.gc(args.root, args.keep_bytes, dict(os.environ), dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     _out(args, f"{verb} {len(result['removed'])}: {', '.join(result['removed']) or 'nothing'}; "
@@ -207,6 +212,11 @@ def cmd_release(args: argparse.Namespace) -> Result:
 def cmd_manifest(args: argparse.Namespace) -> Result:
     from ..staging.source_manifest import write_source_manifest
 
+    if args.output is not None:
+        folder = Path(args.output).expanduser().absolute().parent
+        if not folder.is_dir():
+            raise UsageError(f"--output {args.output}: the folder {folder} does not exist; create it, or pick a path "
+                             "in a folder that does")
     progress = make_progress(args.quiet or args.json, "hashing")
     t0 = time.perf_counter()
     try:
@@ -356,8 +366,23 @@ def cmd_stats(args: argparse.Namespace) -> Result:
     return ExitCode.OK, {"ok": True, **doc}
 
 
+def _given_root(args: argparse.Namespace) -> None:
+    """``--root DIR`` of ls, gc, verify and release names a staging root: a folder, or nothing yet."""
+    root = getattr(args, "root", "auto")
+    if root in (None, "auto"):
+        return
+    st = trust.lstat(Path(root).expanduser())
+    if st is None:
+        raise RootError(f"--root {root} does not exist: give the folder you staged into, or leave --root out to look "
+                        "in every root you used on this node")
+    if not stat.S_ISDIR(st.st_mode):
+        raise RootError(f"--root {root} is {trust.kind_of(st)}, not a staging root (a folder): give the folder you "
+                        "staged into, or leave --root out to look in every root you used on this node")
+
+
 def _find(args: argparse.Namespace) -> DatasetDir:
     """The dataset ``args.dataset`` names: its folder, its key, or its source URL."""
+    _given_root(args)
 
     def key_of(url: str) -> str | None:
         try:

@@ -7,7 +7,10 @@ import json
 import logging
 import math
 import os
+import signal
+import stat
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -20,7 +23,8 @@ log = logging.getLogger("stagingloader")
 
 EPILOG = """\
 exit codes: 0 ok, 1 verification failed, 2 usage, 3 no space, 4 source error,
-            5 lock timeout, 6 staging root unusable, 7 bad manifest, 130 interrupted
+            5 lock timeout, 6 staging root unusable, 7 bad manifest, 8 other failure,
+            70 internal error, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM)
 docs: docs/staging.md, docs/errors.md, docs/environment.md
 """
 
@@ -87,17 +91,45 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _options_file(path: str) -> dict[str, Any]:
-    """Storage options from a JSON file: secrets stay out of the command line, which every user sees in ``ps``."""
+def _positive_float(text: str) -> float:
     try:
-        with open(path, encoding="utf-8") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            opts = json.load(f)
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, not {text}")
+    return value
+
+
+OPTIONS_FILE_MAX = 1 << 20  #: an options file larger than this is not one
+
+
+def _options_file(path: str) -> dict[str, Any]:
+    """Storage options from a JSON file: secrets stay out of the command line, which every user sees in ``ps``.
+    Opened without blocking (a named pipe would hang the command) and read only if it is a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise UsageError(f"--options-file {path}: no such file") from None
+    except OSError as e:
+        raise UsageError(f"--options-file {path}: cannot open it ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"--options-file {path}: not a regular file; give a JSON file such as "
+                             '{"key": "ID", "secret": "SECRET"}')
+        if st.st_size > OPTIONS_FILE_MAX:
+            raise UsageError(f"--options-file {path}: {human_bytes(st.st_size)} is too large for a file of options")
+        mode = st.st_mode
+        with os.fdopen(os.dup(fd), encoding="utf-8") as f:
+            opts = json.loads(f.read(OPTIONS_FILE_MAX + 1))
+    except UsageError:
+        raise
     except (OSError, ValueError) as e:
         raise UsageError(f"--options-file {path}: not a readable JSON file ({e}); write e.g. "
                          '{"key": "ID", "secret": "SECRET"}') from None
+    finally:
+        os.close(fd)
     if not isinstance(opts, dict):
         raise UsageError(f"--options-file {path}: expected a JSON object of fsspec options, e.g. "
                          '{"key": "ID", "secret": "SECRET"}')
@@ -235,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "(a folder with files or an object-store URL: only read) in about --seconds. "
                                     "Results are kept per node for `plan`.")
     pr.add_argument("target", metavar="PATH|URL")
-    pr.add_argument("--seconds", type=float, default=30.0, help="time budget (default: 30)")
+    pr.add_argument("--seconds", type=_positive_float, default=30.0, help="time budget (default: 30)")
     pr.add_argument("--force", action="store_true", help="probe a folder that is not empty (in a subfolder)")
 
     pl = sub.add_parser("plan", parents=[common, src_opts],
@@ -248,16 +280,20 @@ def build_parser() -> argparse.ArgumentParser:
                         epilog="example:\n  stagingloader plan /nfs/imagenet/train --samples-per-s 3000 --gpus 8 "
                                "--epochs 90 --job-ram 64G\n\n" + EPILOG)
     pl.add_argument("src", metavar="SRC")
-    pl.add_argument("--samples-per-s", type=float, required=True, metavar="R", help="samples per second per GPU")
+    pl.add_argument("--samples-per-s", type=_positive_float, required=True, metavar="R",
+                    help="samples per second per GPU")
     pl.add_argument("--gpus", type=_positive_int, default=1, metavar="N")
     pl.add_argument("--epochs", type=_positive_int, default=1, metavar="E")
     pl.add_argument("--job-ram", type=_size, default=0, metavar="BYTES", help="RAM the job itself needs (e.g. 64G)")
     pl.add_argument("--tier", action="append", metavar="DIR", help="tiers to consider (default: the auto candidates)")
-    pl.add_argument("--seconds", type=float, default=10.0, help="probe budget per target (default: 10)")
+    pl.add_argument("--seconds", type=_positive_float, default=10.0, help="probe budget per target (default: 10)")
     pl.add_argument("--fresh", action="store_true", help="probe again even if this node has recent probes")
-    pl.add_argument("--checkpoint-params", type=float, metavar="P", help="model parameters, for checkpoint sizing")
-    pl.add_argument("--bytes-per-param", type=float, default=12.0, help="checkpoint bytes per parameter (default 12)")
-    pl.add_argument("--checkpoint-every", type=float, default=30.0, metavar="MIN", help="minutes between checkpoints")
+    pl.add_argument("--checkpoint-params", type=_positive_float, metavar="P",
+                    help="model parameters, for checkpoint sizing")
+    pl.add_argument("--bytes-per-param", type=_positive_float, default=12.0,
+                    help="checkpoint bytes per parameter (default 12)")
+    pl.add_argument("--checkpoint-every", type=_positive_float, default=30.0, metavar="MIN",
+                    help="minutes between checkpoints")
 
     st = sub.add_parser("stats", parents=[common], help="a saved loader's stats as a table (and a plot)",
                         description="Pretty-print stats saved by `loader.stats.save(path)`; --plot draws the wait "
@@ -291,9 +327,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is (as Ctrl-C is), so that it stops the same clean way (exit 143)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    """Run one command: its exit code.  Ctrl-C (SIGINT) and SIGTERM stop it cleanly, at any moment, what it copied
+    kept for the next run: exit 130 and 143."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:
+        return _run(argv)
+    except KeyboardInterrupt as e:
+        code = ExitCode.TERMINATED if isinstance(e, Terminated) else ExitCode.INTERRUPTED
+        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        return _fail(argparse.Namespace(json="--json" in argv), f"{how}; run the same command again to resume",
+                     code, "Interrupted")
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+
+
+def _run(argv: list[str]) -> int:
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except _BadArguments as e:
@@ -310,8 +371,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         code, result = handler(args)
     except StagingError as e:
         return _fail(args, str(e), e.exit_code, type(e).__name__)
-    except KeyboardInterrupt:
-        return _fail(args, "interrupted; run the same command again to resume", ExitCode.INTERRUPTED, "Interrupted")
     except Exception as e:  # an error we did not foresee: one line, the traceback only with -v
         if args.verbose:
             traceback.print_exc()

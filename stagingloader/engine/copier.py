@@ -25,6 +25,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,6 +46,9 @@ from .largefiles import LargeFile
 from .workerpool import DEPTH, WorkerPool
 
 log = logging.getLogger(__name__)
+
+STOP_SECONDS = 1.0  #: after a stop, how long the copies in flight may finish before they are left for the next run
+STOP_GRACE_SECONDS = 0.5  #: then how long a stopped worker process has to exit before it is killed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,8 +157,9 @@ class _Threads:
         self.in_flight -= len(out)
         return out
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the threads: wait for their copies, or (after a stop) cancel what has not started and return."""
+        self.pool.shutdown(wait=wait, cancel_futures=not wait)
 
 
 class _Processes:
@@ -196,8 +201,8 @@ class _Processes:
                 self.gate.note(len(job.items))
         return out
 
-    def close(self) -> None:
-        self.pool.close()
+    def close(self, *, grace: float = 5.0) -> None:
+        self.pool.close(grace=grace)
 
 
 class Copier:
@@ -334,22 +339,36 @@ class Copier:
         self.stop.set()
 
     def _shut_down(self) -> None:
-        """Collect what is in flight (its finished files are journaled), stop the workers, close large files."""
+        """Collect what is in flight (its finished files are journaled), stop the workers, close large files.
+
+        After a stop (Ctrl-C, SIGTERM, an error, a streaming stager's lost lease) the copies in flight get
+        STOP_SECONDS to finish; what is still in flight then is abandoned (under temp names, swept by the next
+        run) and the workers are stopped, killed if they do not exit at once.  So an interrupted stage ends within
+        about two seconds whatever it was doing, even if the interrupt landed in this process's own bookkeeping of
+        a job (a result taken off a worker's socket but not yet counted), which nothing would ever answer."""
+        deadline: float | None = None
         try:
             if self._procs is not None and self.stop.is_set():
                 self._procs.pool.set_stop()
             while self._inline or (self._threads and self._threads.in_flight) or (
                     self._procs and self._procs.in_flight):
+                if self.stop.is_set():
+                    deadline = time.monotonic() + STOP_SECONDS if deadline is None else deadline
+                    if time.monotonic() > deadline:
+                        log.info("stopping: copies still in flight after %.0f s are left for the next run to redo",
+                                 STOP_SECONDS)
+                        break
                 self._handle(self._poll(0.1))
-        except BaseException as e:  # a worker died while we waited for it
+        except BaseException as e:  # a worker died while we waited for it, or a second Ctrl-C
             self._fail(e)
         finally:
             if self._feed is not None and not self._feed.close():
                 log.warning("the files to copy are still being produced after the copy stopped; leaving them")
+            stopping = self.stop.is_set()
             if self._threads is not None:
-                self._threads.close()
+                self._threads.close(wait=not stopping)
             if self._procs is not None:
-                self._procs.close()
+                self._procs.close(grace=STOP_GRACE_SECONDS if stopping else 5.0)
             self._wakeup.close()
             remove = isinstance(self._error, NoSpaceError)
             self._remove_worker_folders(remove)

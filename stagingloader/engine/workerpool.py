@@ -49,7 +49,11 @@ class WorkerDiedError(StagingError):
 # registered without running their __init__ (which import the whole library, numpy and fsspec: 0.2 s of CPU per
 # worker); then only the copy modules load.
 _BOOT = ("import sys, importlib.util as u; from multiprocessing.connection import Connection; "
-         "c = Connection(int(sys.argv[1])); sys.path[:] = c.recv()\n"
+         "c = Connection(int(sys.argv[1]))\n"
+         "try:\n"
+         "    sys.path[:] = c.recv()\n"
+         "except (EOFError, OSError):\n"  # the stager stopped (Ctrl-C) before it gave us work: nothing to say
+         "    sys.exit(0)\n"
          "for n in ('stagingloader', 'stagingloader.engine', 'stagingloader.sources', 'stagingloader.cache'):\n"
          "    sys.modules[n] = u.module_from_spec(u.find_spec(n))\n"
          "from stagingloader.engine.workerpool import main; main(c)")
@@ -151,13 +155,13 @@ class WorkerPool:
             "had finished are kept and its partial files are never published: stage again to resume (out of "
             "memory? see dmesg)")
 
-    def close(self) -> None:
-        """Stop every worker: ask, wait a little, then kill."""
+    def close(self, *, grace: float = 5.0) -> None:
+        """Stop every worker: ask, wait up to ``grace`` seconds, then kill."""
         self.set_stop()
         for p in self.procs:
             with contextlib.suppress(OSError):
                 p.conn.send(None)
-        _wait_all([p.proc for p in self.procs], 5.0)
+        _wait_all([p.proc for p in self.procs], grace)
         for p in self.procs:
             try:
                 p.proc.wait(0.1)
@@ -228,13 +232,20 @@ def _die_with_parent(parent: int) -> None:
 
 
 def main(conn: Connection) -> None:
-    """A worker process: run the jobs its socket brings until it brings None (or closes)."""
-    target, parent = conn.recv()
-    _die_with_parent(parent)
+    """A worker process: run the jobs its socket brings until it brings None (or closes).  A stager that stopped
+    (Ctrl-C, SIGTERM) closes the socket at any moment: the worker then ends without a word."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us
+    try:
+        target, parent = conn.recv()
+    except (EOFError, OSError):
+        return
+    _die_with_parent(parent)
     inbox = _Inbox(conn)
     worker = Worker(target, inbox)
-    conn.send("ready")
+    try:
+        conn.send("ready")
+    except OSError:
+        return
     while True:
         try:
             job = inbox.next_job()

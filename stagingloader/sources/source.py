@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 
 from ..cache.manifest import SOURCE_MANIFEST_NAME, Manifest
+from ..cache.tiers import mount_of
+from ..cache.trust import kind_of
 from ..errors import (
     MissingDependencyError,
     SourceError,
@@ -34,6 +36,9 @@ from .scanning import list_tree
 __all__ = ["Listing", "Source", "SourceFile", "selected", "validate_rel"]
 
 GLOB_CHARS = "*?["
+#: kernel file systems: their files are not data (sizes read 0, contents made on read), never a source
+PSEUDO_FS = frozenset({"proc", "sysfs", "devtmpfs", "devpts", "debugfs", "tracefs", "securityfs", "cgroup", "cgroup2",
+                       "configfs", "pstore", "bpf", "efivarfs", "fusectl", "mqueue", "hugetlbfs", "binfmt_misc"})
 _INSTALL_HINTS = {
     "s3": "pip install s3fs (stagingloader's [s3] extra: pip install '.[s3]' in its checkout)",
     "s3a": "pip install s3fs (stagingloader's [s3] extra: pip install '.[s3]' in its checkout)",
@@ -74,6 +79,9 @@ class Source:
     """A dataset's source: an fsspec filesystem and a base path (a folder, a prefix or a glob)."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        if not isinstance(url, str) or not url.strip():
+            raise UsageError(f"the source is empty ({url!r}): give a folder, a file or a URL such as "
+                             "s3://bucket/prefix (write . for the current folder)")
         self.url = redact(url)  #: for people and records; the filesystem gets the URL as given
         self.storage_options = dict(storage_options or {})
         self.protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
@@ -182,6 +190,13 @@ class Source:
             raise SourceNotFoundError(f"source {self.url} does not exist; check the path") from None
         except OSError as e:
             raise as_source_error(e, self.url) from e
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            raise SourceError(f"source {self.url} is {kind_of(st)}, not a file or a folder: stage a folder of files, "
+                              "a file, or a URL such as s3://bucket/prefix")
+        fs_type = mount_of(self.base).fs_type
+        if fs_type in PSEUDO_FS:
+            raise SourceError(f"source {self.url} is on {fs_type}, a kernel file system whose files are not data "
+                              "(their sizes read 0): copy what you need into a folder first")
         if stat.S_ISREG(st.st_mode):
             self._single = True
             out.add(os.fsencode(os.path.basename(self.base)), st)

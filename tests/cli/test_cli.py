@@ -10,18 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_json, run_cli
+from tests.conftest import cli_json, one_error, run_cli
 from tests.support.trees import make_tree, tree_digests
-
-
-def _one_error(proc: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:
-    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
-    assert "Traceback" not in proc.stderr + proc.stdout
-    errors = [line for line in proc.stderr.splitlines() if "error" in line]
-    assert len(errors) == 1, proc.stderr
-    for n in needles:
-        assert n in errors[0], errors[0]
-    return errors[0]
 
 
 def test_stage_json_summary_and_text_summary(src: Path, root: Path) -> None:
@@ -68,19 +58,19 @@ def test_verify_command_exit_codes(src: Path, root: Path) -> None:
 ])
 def test_bad_input_gets_one_line_and_its_code(args: list[str], code: int, needles: list[str], src: Path) -> None:
     proc = run_cli(*[str(src) if a == "SRC" else a for a in args])
-    _one_error(proc, code, *needles)
+    one_error(proc, code, *needles)
 
 
 def test_empty_source(tmp_path: Path, root: Path) -> None:
     (tmp_path / "empty").mkdir()
-    _one_error(run_cli("stage", str(tmp_path / "empty"), "--root", str(root)), 4, "no files", "nothing to stage")
+    one_error(run_cli("stage", str(tmp_path / "empty"), "--root", str(root)), 4, "no files", "nothing to stage")
 
 
 def test_symlink_out_of_the_source_is_refused(tmp_path: Path, root: Path) -> None:
     src = make_tree(tmp_path / "s", {"a.bin": 10})
     (tmp_path / "secret").write_text("not yours")
     (src / "leak").symlink_to(tmp_path / "secret")
-    line = _one_error(run_cli("stage", str(src), "--root", str(root)), 4, "leak", "outside the source")
+    line = one_error(run_cli("stage", str(src), "--root", str(root)), 4, "leak", "outside the source")
     assert "--exclude" in line
     assert not list(root.rglob("leak"))
 
@@ -88,10 +78,10 @@ def test_symlink_out_of_the_source_is_refused(tmp_path: Path, root: Path) -> Non
 def test_symlink_loop_is_reported(tmp_path: Path, root: Path) -> None:
     src = make_tree(tmp_path / "s", {"d/a.bin": 10})
     (src / "d" / "back").symlink_to(src / "d")
-    _one_error(run_cli("stage", str(src), "--root", str(root)), 4, "back", "symlink loop")
+    one_error(run_cli("stage", str(src), "--root", str(root)), 4, "back", "symlink loop")
     (src / "d" / "back").unlink()
     (src / "self").symlink_to(src / "self")
-    _one_error(run_cli("stage", str(src), "--root", str(root)), 4, "self")
+    one_error(run_cli("stage", str(src), "--root", str(root)), 4, "self")
 
 
 def test_unreadable_source_file_names_it(tmp_path: Path) -> None:
@@ -105,7 +95,7 @@ def test_unreadable_source_file_names_it(tmp_path: Path) -> None:
     try:
         proc = run_cli("stage", str(shared / "src"), "--root", str(shared / "root"),
                        preexec_fn=lambda: (os.setgid(65534), os.setuid(65534)))
-        _one_error(proc, 4, "locked.bin", "denied")
+        one_error(proc, 4, "locked.bin", "denied")
     finally:
         import shutil
 
@@ -116,19 +106,19 @@ def test_truncated_and_foreign_manifests(src: Path, root: Path) -> None:
     out = cli_json("stage", str(src), "--root", str(root))
     manifest = Path(out["root"]).parent / "manifest.json"
     manifest.write_bytes(manifest.read_bytes()[:100])
-    _one_error(run_cli("verify", out["dataset_dir"]), 7, "truncated")
+    one_error(run_cli("verify", out["dataset_dir"]), 7, "truncated")
     # staging again ignores the broken version and stages a good one
     again = cli_json("stage", str(src), "--root", str(root))
     assert again["version"] == "v2" and tree_digests(Path(again["root"])) == tree_digests(src)
     (src / ".stagingloader-manifest.json").write_text(json.dumps({"hello": "world"}))
-    _one_error(run_cli("stage", str(src), "--root", str(root)), 7, "not a stagingloader manifest")
+    one_error(run_cli("stage", str(src), "--root", str(root)), 7, "not a stagingloader manifest")
 
 
 def test_s3_without_s3fs_gives_the_install_hint(tmp_path: Path) -> None:
     code = ("import sys; sys.modules['s3fs'] = None; from stagingloader.cli.main import main; "
             "sys.exit(main(['stage', 's3://bucket/x', '--root', '/tmp']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    _one_error(proc, 2, "pip install s3fs (stagingloader's [s3] extra: pip install '.[s3]' in its checkout)")
+    one_error(proc, 2, "pip install s3fs (stagingloader's [s3] extra: pip install '.[s3]' in its checkout)")
 
 
 def test_json_errors_are_json(src: Path, tmp_path: Path) -> None:

@@ -248,3 +248,36 @@ def test_worker_processes_die_with_a_killed_stager(tmp_path: Path, root: Path) -
                  and b"workerpool" in Path(f"/proc/{p}/cmdline").read_bytes()]
         time.sleep(0.05)
     assert not alive, f"copy workers {alive} outlived their stager"
+
+
+def test_an_interrupt_ends_the_copy_even_when_a_jobs_bookkeeping_was_cut_in_half(tmp_path: Path) -> None:
+    """Ctrl-C can land between taking a worker's result off its socket and counting it: that job then looks in
+    flight for ever, and a shut-down that waited for every job hung (issue 23: 3 of 24 Ctrl-Cs).  After a stop,
+    the copies in flight get a moment, then are left for the next run."""
+    src = make_tree(tmp_path / "src", {f"d{i % 7}/f{i:04d}.bin": 700 + i for i in range(600)})
+    copier, incoming, listing = _copier(src, tmp_path, small_batch_files=4, processes=2, process_min_files=16)
+    done: list[Entry] = []
+
+    def on_done(entries: list[Entry]) -> None:
+        done.extend(entries)
+        procs = copier._procs  # the worker processes now running
+        if len(done) >= 40 and procs is not None:
+            procs.jobs[-1] = procs.jobs.get(-1)  # a result taken off a worker's socket, its job never counted done
+            raise KeyboardInterrupt
+
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            copier.run(iter(listing), on_done=on_done)
+        except BaseException as e:
+            raised.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the copy did not stop after Ctrl-C"
+    assert len(raised) == 1 and isinstance(raised[0], KeyboardInterrupt)
+    assert copier.worker_pids == [] or all(not Path(f"/proc/{pid}").exists() for pid in copier.worker_pids)
+    incoming.close()
+    assert len(done) >= 40 and {e.path: e.digest for e in done}.items() <= tree_digests(src).items()
