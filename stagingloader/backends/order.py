@@ -27,7 +27,7 @@ from ..loader.dataloader import STATE_KEY, TorchDataLoader, resolve_device
 from ..loader.epoch import StateEncoder, node_sampler, pass_epoch
 from ..loader.filetable import FileTable
 from ..loader.orders import OrderPublisher
-from ..loader.stats import GpuSampler, LoaderStats, batch_len, batch_nbytes
+from ..loader.stats import GpuSampler, LoaderStats, batch_nbytes
 from ..loader.torchdata_compat import batches_yielded
 
 log = logging.getLogger("stagingloader.loader")
@@ -205,12 +205,14 @@ class IndexedLoader(abc.ABC):
 
 
 class _EpochIter:
-    """One epoch: times each ``next()`` for the stats, and keeps the order's state after each batch yielded."""
+    """One epoch: times each ``next()`` for the stats, and keeps the order's state after each batch yielded and the
+    samples of each batch: the indices the order gave for it, never guessed from the batch the backend read."""
 
     def __init__(self, loader: IndexedLoader, order: Iterator[np.ndarray]) -> None:
         self.loader = loader
         self._order = order
         self._states: deque[Any] = deque()  # the order's state after each batch of indices taken, in order
+        self._samples: deque[int] = deque()  # how many indices each batch of indices taken holds, in order
         self._n = len(order) - batches_yielded(order)  # type: ignore[arg-type]
         loader.stats.start_epoch(loader.epoch, None)
         self._inner = loader._read(self._indices())
@@ -220,6 +222,7 @@ class _EpochIter:
         order = self.loader._order
         for batch in self._order:
             self._states.append(order.torch_state_dict())
+            self._samples.append(len(batch))
             yield batch
         self._states.append(order.torch_state_dict())  # the epoch's end
 
@@ -244,5 +247,5 @@ class _EpochIter:
             loader.epoch += 1
             raise
         loader._state = self._states.popleft()
-        loader.stats.record(time.perf_counter() - t0, batch_len(batch), batch_nbytes(batch))
+        loader.stats.record(time.perf_counter() - t0, self._samples.popleft(), batch_nbytes(batch))
         return batch

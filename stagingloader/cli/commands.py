@@ -331,10 +331,14 @@ def cmd_stats(args: argparse.Namespace) -> Result:
     if not isinstance(doc, dict) or doc.get("format") != "stagingloader-stats":
         raise UsageError(f"{args.file} is not a stagingloader stats file (written by loader.stats.save())")
     if not args.json:
-        print(f"{'epoch':>5} {'batches':>8} {'samples/s':>10} {'MB/s':>8} {'stall':>7} {'p50 ms':>8} {'p99 ms':>8} "
-              f"{'first s':>8} {'read s':>7} {'decode s':>8} {'collate s':>9} {'not staged s':>12}")
+        print(f"{'epoch':>5} {'batches':>8} {'samples':>9} {'wall s':>8} {'samples/s':>10} {'MB/s':>8} {'stall':>7} "
+              f"{'p50 ms':>8} {'p99 ms':>8} {'first s':>8} {'read s':>7} {'decode s':>8} {'collate s':>9} "
+              f"{'not staged s':>12}")
         for e in [*doc["epochs"], {**doc["total"], "epoch": "all"}]:
-            print(f"{e['epoch']!s:>5} {e['batches']:>8} {e['samples_per_s']:>10.0f} {e['bytes_per_s'] / 1e6:>8.1f} "
+            rate = e.get("bytes_per_s")  # null: the batches held no tensors, arrays or buffers to measure
+            mbps = "unknown" if rate is None else f"{rate / 1e6:.1f}"
+            print(f"{e['epoch']!s:>5} {e['batches']:>8} {e['samples']:>9} {e['wall_s']:>8.2f} "
+                  f"{e['samples_per_s']:>10.0f} {mbps:>8} "
                   f"{100 * e['stall_fraction']:>6.1f}% {1e3 * e['wait_p50_s']:>8.2f} {1e3 * e['wait_p99_s']:>8.2f} "
                   f"{e['first_batch_s']:>8.2f} {e['read_s']:>7.2f} {e['decode_s']:>8.2f} {e['collate_s']:>9.2f} "
                   f"{e.get('not_staged_s', 0.0):>12.2f}")  # waited for files a streaming stage had not staged yet

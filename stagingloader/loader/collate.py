@@ -1,4 +1,4 @@
-"""Batches: where a dataset's batch is read into, batches gathered in one read, and a timed ``collate_fn``.
+"""Batches: where a dataset's batch is read into, batches gathered in one read, and a timed, counting ``collate_fn``.
 
 A dataset's ``__getitems__`` may return a :class:`GatheredBatch`: a list of samples (so any
 ``collate_fn`` works unchanged, and torch's own DataLoader too) that also carries the batch
@@ -7,13 +7,20 @@ loader takes the stacked form and skips the per-sample stack.  The stacked batch
 shared memory in a worker (a reusable slot, :mod:`.slots`), pinned memory for a GPU, or fresh
 memory (:func:`empty_batch`); a :class:`LazyBatch` builds its samples only when a custom
 ``collate_fn`` asks for them.
+
+The loader counts a batch's samples where they are fetched, never from the batch's shape: the collate function
+is called with the samples of one batch (the indices the batch sampler gave, or the samples an iterable dataset's
+fetcher drew), or with one sample when batching is off (``batch_size=None``).  :class:`TimedCollate` hands the
+batch back as :class:`Counted` (the batch and that count) while its own loader fetches, so the count travels with
+the batch it belongs to, from the worker that made it to the loop: batches a worker made that the loop never
+gets (an epoch abandoned, a resume's fast-forward) take their count away with them.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -59,8 +66,33 @@ def fast_collate(data: Any) -> Any:
         ) from e
 
 
+class Counted(NamedTuple):
+    """A batch and how many samples were fetched for it, as the loader's collate hands it back.
+
+    A named tuple, so torch's pin-memory thread pins the batch inside it as it pins any batch."""
+
+    batch: Any
+    samples: int | None  #: None where the samples handed to the collate function had no length
+
+
+def fetched(data: Any, auto_collation: bool) -> int | None:
+    """How many samples a collate function was handed: the batch's list of samples, or one sample when batching
+    is off; None where that list has no length (a ``__getitems__`` that returned something else)."""
+    if not auto_collation:
+        return 1
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
 class TimedCollate:
-    """Wraps a collate function; adds its time (and the dataset's, in between) to the worker clock."""
+    """Wraps a collate function; adds its time (and the dataset's, in between) to the worker clock, and while
+    ``counting`` hands each batch back as :class:`Counted`.
+
+    ``counting`` is set by the loader around what is its own (its workers' start: they keep it; each fetch in
+    process): the same object given to another loader (``collate_fn=loader.collate_fn``) returns plain batches.
+    """
 
     def __init__(self, fn: Callable[[Any], Any] | None, clock: WorkerClock | None, measure_fetch: bool,
                  auto_collation: bool = True) -> None:
@@ -70,6 +102,8 @@ class TimedCollate:
         self.fn = fast_collate if fn is default_collate else fn
         self.clock = clock
         self.measure_fetch = measure_fetch
+        self.auto_collation = auto_collation  #: called with a list of samples (False: with one sample)
+        self.counting = False  #: hand batches back as Counted (set by the loader that owns this collate)
         self._last_end: float | None = None
 
     def __call__(self, data: Any) -> Any:
@@ -82,7 +116,7 @@ class TimedCollate:
             if self.measure_fetch and self._last_end is not None:
                 self.clock.add(FETCH_S, t0 - self._last_end, row)
         self._last_end = t1
-        return out
+        return Counted(out, fetched(data, self.auto_collation)) if self.counting else out
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

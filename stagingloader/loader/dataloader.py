@@ -183,13 +183,17 @@ class TorchDataLoader(StatefulLoader[T_co]):
 
     # ---- torch's hooks ---------------------------------------------------------------------------
     def build_iterator(self, make: Callable[[], Any]) -> Any:
-        """Each new set of workers gets its own slot pool and context (old workers may still be finishing)."""
+        """Each new set of workers gets its own slot pool and context (old workers may still be finishing), and a
+        collate that counts: the workers started now keep it, so each batch carries the samples fetched for it."""
         init = self.worker_init_fn
         if self.num_workers > 0 and isinstance(init, WorkerInit):
             self.pool = SlotPool(self.num_workers, (self.prefetch_factor or 2) + 2) if self._slots else None
             init.ctx = LoaderContext(clock=self.clock, slots=self.pool)
+        collate = self.collate_fn if self.num_workers > 0 and isinstance(self.collate_fn, TimedCollate) else None
         freeze = self.num_workers > 0 and self._forks()
         try:
+            if collate is not None:
+                collate.counting = True  # copied (forked or pickled) into the workers as they start, within make()
             if freeze:
                 # freeze the heap while workers fork: their garbage collector then leaves the objects they
                 # inherit alone, instead of writing to (and so copying) every page of them
@@ -201,6 +205,8 @@ class TorchDataLoader(StatefulLoader[T_co]):
         finally:
             if freeze:
                 gc.unfreeze()
+            if collate is not None:
+                collate.counting = False  # the same object handed to another loader returns plain batches
 
     def __iter__(self) -> LoaderIter:  # type: ignore[override]
         if self._auto_persistent and self.persistent_workers and current_iterator(self) is not None and \

@@ -37,7 +37,7 @@ def explain(e: EpochStats, tier: str = "", backend: str = "torch") -> str:
                 "split further): give it more CPU threads (num_workers=) or a deeper queue (prefetch_factor=), "
                 "move operators to the GPU (device='mixed' or 'gpu'), or stage the data to tmpfs.")
     if backend == "gds":
-        rate = e.bytes / e.wait_s / 1e9 if e.wait_s > 0 else 0.0
+        rate = (e.bytes or 0) / e.wait_s / 1e9 if e.wait_s > 0 else 0.0
         return (f"GPUDirect Storage reads did not keep up (about {rate:.2f} GB/s while the loop waited): use "
                 "larger batches or samples, install kvikio for parallel reads (pip install kvikio-cu13, or '.[gds]' "
                 "in stagingloader's checkout), "
@@ -67,7 +67,7 @@ def diagnose(loader: Any) -> str:
     stats = loader.stats
     e = stats.epochs[-1] if stats.epochs else stats.total
     head = (f"data stall {100 * e.stall_fraction:.0f}% of step time over {e.batches} batches "
-            f"({e.samples_per_s:.0f} samples/s, waited {e.wait_s:.2f}s of {e.wall_s:.2f}s)")
+            f"({e.samples} samples, {e.samples_per_s:.0f} samples/s, waited {e.wait_s:.2f}s of {e.wall_s:.2f}s)")
     if e.gpu_util is not None:
         head += f"; GPU utilisation {e.gpu_util:.0f}%"
         if e.gpu_util < 80 and e.stall_fraction > STALL_WARNING:

@@ -1,5 +1,6 @@
 """The loader's iterator: times ``next()``, receives worker batches in the background, prefetches to the device,
-and keeps the state that matches what the loop has seen."""
+and keeps the state that matches what the loop has seen; each batch is recorded with the samples fetched for it,
+as its collate counted them (:mod:`.collate`)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .collate import Counted, TimedCollate
 from .context import LoaderContext, restore, use
 from .slots import SlotBatch, pool_of
-from .stats import batch_len, batch_nbytes
+from .stats import batch_nbytes
 from .torchdata_compat import (
     current_iterator,
     failing_index,
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stagingloader.loader")
 
+Pulled = tuple[Any, int | None]  #: a batch taken from torch's iterator, and the samples fetched for it (None: not told)
 WORKER_DEATH = ("is killed by signal", "exited unexpectedly")  #: how torch reports a worker that died
 OOM_HINT = ("SIGKILL is what the kernel's OOM killer sends: check `dmesg`, then lower num_workers, batch_size "
             "or prefetch_factor")
@@ -47,14 +50,14 @@ def note_oom(e: BaseException) -> None:
 class _Receiver:
     """A named thread that takes batches from the workers (and out of their slots) ahead of the loop.
 
-    Each item carries the loader's state right after it, so ``state_dict()`` describes what the loop
-    has seen, not what was received ahead.  After an error it goes on with the next batch, as torch's
-    iterator does; it stops at the end of the epoch, when its iterator's workers are shut down, or
-    when it is closed.  It holds no reference to the iterator that owns it, so dropping that iterator
-    stops it.
+    Each item carries the batch with the samples fetched for it (:data:`Pulled`), and the loader's state right
+    after it, so ``state_dict()`` describes what the loop has seen, not what was received ahead.  After an error
+    it goes on with the next batch, as torch's iterator does; it stops at the end of the epoch, when its
+    iterator's workers are shut down, or when it is closed.  It holds no reference to the iterator that owns it,
+    so dropping that iterator stops it.
     """
 
-    def __init__(self, pull: Callable[[], Any], state: Callable[[], Any], done: Callable[[], bool],
+    def __init__(self, pull: Callable[[], Pulled], state: Callable[[], Any], done: Callable[[], bool],
                  depth: int) -> None:
         self.queue: queue.Queue[tuple[str, Any, Any]] = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
@@ -64,7 +67,7 @@ class _Receiver:
         self.thread.start()
 
     @staticmethod
-    def _run(pull: Callable[[], Any], state: Callable[[], Any], done: Callable[[], bool],
+    def _run(pull: Callable[[], Pulled], state: Callable[[], Any], done: Callable[[], bool],
              q: queue.Queue[tuple[str, Any, Any]], stop: threading.Event) -> None:
         while not stop.is_set():
             item: tuple[str, Any, Any]
@@ -112,21 +115,30 @@ def _drop(batch: Any) -> None:
         batch.drop()
 
 
-def _puller(inner: Any, ctx: LoaderContext | None, pin: bool) -> Callable[[], Any]:
-    """Takes the next batch from torch's iterator (in ``ctx`` when the dataset is read in this process) and
-    copies it out of its slot.  It holds no reference to the LoaderIter, so a receiver thread does not either."""
+def _puller(inner: Any, ctx: LoaderContext | None, pin: bool, collate: TimedCollate | None) -> Callable[[], Pulled]:
+    """Takes the next batch from torch's iterator (in ``ctx`` when the dataset is read in this process), with the
+    count of samples fetched for it, and copies it out of its slot.  In process it sets ``collate`` counting
+    around the fetch (workers count from their start).  It holds no reference to the LoaderIter, so a receiver
+    thread does not either."""
 
-    def pull() -> Any:
+    def pull() -> Pulled:
         token = use(ctx) if ctx is not None else None
+        if collate is not None:
+            collate.counting = True
         try:
             batch = next(inner)
         finally:
+            if collate is not None:
+                collate.counting = False
             if token is not None:
                 restore(token)
+        samples: int | None = None
+        if isinstance(batch, Counted):
+            batch, samples = batch
         if isinstance(batch, SlotBatch):
             pool = pool_of(batch.token)
             batch = batch.unwrap(pool, pin=pin) if pool is not None else batch.payload
-        return batch
+        return batch, samples
 
     return pull
 
@@ -158,7 +170,7 @@ class LoaderIter:
         self.loader = loader
         self.inner = inner
         self._ctx = ctx
-        self._ahead: tuple[Any, Any] | None = None
+        self._ahead: tuple[Any, int | None, Any] | None = None  # the next batch on its way, its samples, its state
         self._done = False
         self._stream: Any = None
         dev = loader.device
@@ -166,7 +178,10 @@ class LoaderIter:
             self._stream = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
         self._pin = (dev is not None and dev.type == "cuda") or pins_memory(inner)
         self._receiver: _Receiver | None = None
-        self._pull_inner = _puller(inner, ctx if loader.num_workers == 0 else None, self._pin)
+        collate = loader.collate_fn if isinstance(loader.collate_fn, TimedCollate) else None
+        in_process = loader.num_workers == 0
+        self._pull_inner = _puller(inner, ctx if in_process else None, self._pin, collate if in_process else None)
+        self._uncounted = False  # a batch came without its count (warned once)
         self.state: Any = None  #: the loader's state after the last batch yielded, when batches are taken ahead
         if loader.num_workers > 0 or dev is not None:
             self.state = _safe_state(inner)()
@@ -186,8 +201,8 @@ class LoaderIter:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def _pull(self) -> tuple[Any, Any]:
-        """The next batch and the state after it (None when the state is read live)."""
+    def _pull(self) -> tuple[Any, int | None, Any]:
+        """The next batch, the samples fetched for it, and the state after it (None when the state is read live)."""
         if self._receiver is not None:
             kind, value, state = self._receiver.get()
             if kind == "end":
@@ -196,17 +211,17 @@ class LoaderIter:
             if kind == "error":
                 self.state = state if state is not None else self.state
                 raise value
-            return value, state
-        batch = self._pull_inner()
-        return batch, (_safe_state(self.inner)() if self.loader.device is not None else None)
+            return value[0], value[1], state
+        batch, samples = self._pull_inner()
+        return batch, samples, (_safe_state(self.inner)() if self.loader.device is not None else None)
 
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
         t0 = time.perf_counter()
         try:  # all of it: torch's SIGCHLD handler raises a worker's death wherever the main thread is
-            batch = self._next()
-            n = batch_len(batch)
+            batch, samples = self._next()
+            n = self._counted(samples)
             self.loader.stats.record(time.perf_counter() - t0, n, batch_nbytes(batch))
             if self.loader.orders is not None:  # a streaming stage: where this reader is in its order
                 self.loader.orders.advance(n)
@@ -226,24 +241,37 @@ class LoaderIter:
             self._settle()
             raise
 
-    def _next(self) -> Any:
+    def _next(self) -> tuple[Any, int | None]:
+        """The batch the loop gets now and the samples fetched for it."""
         if self.loader.device is None:
-            batch, state = self._pull()
+            batch, samples, state = self._pull()
             if state is not None:
                 self.state = state
-            return batch
+            return batch, samples
         if self._ahead is None:
-            batch, state = self._pull()
-            self._ahead = (self._to_device(batch), state)
+            batch, samples, state = self._pull()
+            self._ahead = (self._to_device(batch), samples, state)
         current = self._ahead
         try:
-            batch, state = self._pull()
-            self._ahead = (self._to_device(batch), state)
+            batch, samples, state = self._pull()
+            self._ahead = (self._to_device(batch), samples, state)
         except StopIteration:
             self._ahead = None
-        if current[1] is not None:
-            self.state = current[1]
-        return self._ready(current[0])
+        if current[2] is not None:
+            self.state = current[2]
+        return self._ready(current[0]), current[1]
+
+    def _counted(self, samples: int | None) -> int:
+        """The samples of a batch as its fetch counted them; a batch that came without a count (a collate_fn
+        set on the loader after it was made) counts none, said once."""
+        if samples is not None:
+            return samples
+        if not self._uncounted:
+            self._uncounted = True
+            log.warning("a batch came without its count of samples (the loader's collate_fn was replaced after it "
+                        "was made, or a dataset's __getitems__ returned something without a length): samples and "
+                        "samples/s in loader.stats leave such batches out")
+        return 0
 
     def _to_device(self, batch: Any) -> Any:
         dev = self.loader.device

@@ -2,7 +2,9 @@
 
 Main-process figures come from timing ``next()``; worker figures (read, decode, collate) are
 accumulated by the workers into a small shared-memory table (:class:`WorkerClock`), one row per
-worker, so a stall can be blamed on storage, CPU or transfer.
+worker, so a stall can be blamed on storage, CPU or transfer.  A batch's samples are the ones fetched for it
+(counted where it was collated, :mod:`.collate`), never guessed from its shape; its bytes are those of the
+tensors, arrays and buffers in it, and unknown (None) where it holds none.
 """
 
 from __future__ import annotations
@@ -167,8 +169,8 @@ class EpochStats:
 
     epoch: int = 0
     batches: int = 0
-    samples: int = 0
-    bytes: int = 0
+    samples: int = 0  #: samples fetched for the batches the loop got
+    bytes: int | None = 0  #: bytes of the tensors, arrays and buffers in them; None: unknown (a batch held none)
     wall_s: float = 0.0
     wait_s: float = 0.0
     wait_p50_s: float = 0.0
@@ -201,7 +203,9 @@ class EpochStats:
         return self.samples / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
-    def bytes_per_s(self) -> float:
+    def bytes_per_s(self) -> float | None:
+        if self.bytes is None:
+            return None
         return self.bytes / self.wall_s if self.wall_s > 0 else 0.0
 
     def to_dict(self, with_waits: bool = False) -> dict[str, Any]:
@@ -215,40 +219,37 @@ class EpochStats:
 
 
 def _add(into: EpochStats, e: EpochStats) -> None:
-    for name in ("batches", "samples", "bytes", "wall_s", "wait_s", "read_s", "decode_s", "collate_s", "fetch_s",
+    for name in ("batches", "samples", "wall_s", "wait_s", "read_s", "decode_s", "collate_s", "fetch_s",
                  "read_bytes", "not_staged_s", "misses"):
         setattr(into, name, getattr(into, name) + getattr(e, name))
+    into.bytes = plus(into.bytes, e.bytes)
     into.histogram.merge(e.histogram)
 
 
-def batch_len(batch: Any) -> int:
-    """How many samples a batch holds, as torch's default collation lays batches out."""
-    if isinstance(batch, torch.Tensor):
-        if batch.is_nested:
-            return int(batch.size(0))
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, dict):
-        return batch_len(next(iter(batch.values()))) if batch else 0
-    if isinstance(batch, (list, tuple)):
-        return batch_len(batch[0]) if batch and isinstance(batch[0], (torch.Tensor, list, tuple, dict)) \
-            else len(batch)
-    return 1
+def plus(a: int | None, b: int | None) -> int | None:
+    """A sum of bytes where either part may be unknown (None): then so is the sum."""
+    return None if a is None or b is None else a + b
 
 
-def batch_nbytes(batch: Any) -> int:
-    """The bytes of the tensors, arrays and buffers in a batch."""
+def batch_nbytes(batch: Any) -> int | None:
+    """The bytes of the tensors, arrays and buffers in a batch; None where it holds none of them."""
     if isinstance(batch, torch.Tensor):
         if batch.is_nested:
-            return sum(batch_nbytes(t) for t in batch.unbind())
+            return sum(t.element_size() * t.nelement() for t in batch.unbind())
         return batch.element_size() * batch.nelement()
-    if isinstance(batch, dict):
-        return sum(batch_nbytes(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return sum(batch_nbytes(v) for v in batch)
     if isinstance(batch, (bytes, bytearray)):
         return len(batch)
-    nbytes = getattr(batch, "nbytes", None)
-    return int(nbytes) if isinstance(nbytes, int) else 0
+    if isinstance(batch, (dict, list, tuple)):
+        parts = [batch_nbytes(v) for v in (batch.values() if isinstance(batch, dict) else batch)]
+        known = [n for n in parts if n is not None]
+        return sum(known) if known else None
+    nbytes = getattr(batch, "nbytes", None)  # numpy arrays and scalars, memoryviews, arrays of other libraries
+    return int(nbytes) if isinstance(nbytes, int) else None
+
+
+def megabytes_per_s(bytes_per_s: float | None) -> str:
+    """``"12.3 MB/s"``, or ``"MB/s unknown"`` where the batches held no tensors, arrays or buffers to measure."""
+    return "MB/s unknown" if bytes_per_s is None else f"{bytes_per_s / 1e6:.1f} MB/s"
 
 
 class LoaderStats:
@@ -275,7 +276,8 @@ class LoaderStats:
         if self.gpu is not None:
             self.gpu.start()
 
-    def record(self, waited: float, samples: int, nbytes: int) -> None:
+    def record(self, waited: float, samples: int, nbytes: int | None) -> None:
+        """One batch the loop got: how long it waited, the samples fetched for it, its bytes (None: unknown)."""
         cur = self.current
         if cur is None:
             return
@@ -283,7 +285,7 @@ class LoaderStats:
             cur.first_batch_s = time.perf_counter() - self._t_start
         cur.batches += 1
         cur.samples += samples
-        cur.bytes += nbytes
+        cur.bytes = plus(cur.bytes, nbytes)
         cur.wait_s += waited
         cur.waits.append(waited)
         cur.histogram.add(waited)
@@ -346,10 +348,11 @@ class LoaderStats:
 
     def _log(self, e: EpochStats) -> None:
         log.info(
-            "epoch %d: %d batches, %.0f samples/s, %.1f MB/s, waited %.2fs of %.2fs (stall %.1f%%, p50 %.1fms, "
+            "epoch %d: %d batches, %d samples, %.0f samples/s, %s, waited %.2fs of %.2fs (stall %.1f%%, p50 %.1fms, "
             "p99 %.1fms), first batch %.2fs; workers: read %.2fs, decode %.2fs, collate %.2fs",
-            e.epoch, e.batches, e.samples_per_s, e.bytes_per_s / 1e6, e.wait_s, e.wall_s, 100 * e.stall_fraction,
-            1e3 * e.wait_p50_s, 1e3 * e.wait_p99_s, e.first_batch_s, e.read_s, e.decode_s, e.collate_s,
+            e.epoch, e.batches, e.samples, e.samples_per_s, megabytes_per_s(e.bytes_per_s), e.wait_s, e.wall_s,
+            100 * e.stall_fraction, 1e3 * e.wait_p50_s, 1e3 * e.wait_p99_s, e.first_batch_s, e.read_s, e.decode_s,
+            e.collate_s,
         )
         if e.misses:
             log.info("epoch %d: %.2fs (%.0f%% of the loading time) waiting for %d files not staged yet",

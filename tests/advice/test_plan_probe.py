@@ -135,8 +135,8 @@ def test_stats_command_table_and_plot(tmp_path: Path) -> None:
     proc = run_cli("stats", str(tmp_path / "run.json"), "--plot", str(tmp_path / "waits.png"))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].split()[:3] == ["epoch", "batches", "samples/s"] and lines[1].split()[:2] == ["0", "10"]
-    assert lines[3].split()[:2] == ["all", "20"]
+    assert lines[0].split()[:6] == ["epoch", "batches", "samples", "wall", "s", "samples/s"]
+    assert lines[1].split()[:3] == ["0", "10", "50"] and lines[3].split()[:3] == ["all", "20", "100"]
     assert (tmp_path / "waits.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = run_cli("stats", str(src / "c" / "1.bin"))
     assert bad.returncode == 2 and "not JSON" in bad.stderr

@@ -221,3 +221,35 @@ def test_a_backends_loader_answers_every_attribute_of_torchs(disk_rows: sl.Stage
     assert inner.epoch == 7 and loader.epoch == 7
     with loader:
         pass  # __exit__ closes the backend's loader
+
+
+class _RaggedRows(_HostRows):
+    """A stand-in backend whose batches are lists of samples of different lengths (as DALI's ragged=True)."""
+
+    def _read(self, batches: Iterable[np.ndarray]) -> Iterator[Any]:
+        for idx in batches:
+            yield [torch.zeros(int(i) + 3) for i in idx]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_backend_counts_the_indices_of_each_batch(disk_rows: sl.StagedArrays, drop_last: bool) -> None:
+    """The samples of a backend's batch are the indices the order gave for it, not guessed from the batch (the
+    first sample's length, for a list of samples)."""
+
+    def make() -> _RaggedRows:
+        return _RaggedRows(disk_rows, batch_size=4, shuffle=True, drop_last=drop_last,
+                           generator=torch.Generator().manual_seed(1))
+
+    loader = make()
+    batches = list(loader)
+    assert loader.stats.epochs[0].samples == sum(len(b) for b in batches) == (8 if drop_last else 10)
+    cut = make()
+    it = iter(cut)
+    next(it)
+    resumed = make()
+    resumed.load_state_dict(cut.state_dict())
+    rest = list(resumed)
+    assert resumed.stats.epochs[-1].samples == sum(len(b) for b in rest) == (4 if drop_last else 6)
+    assert resumed.stats.epochs[-1].bytes == sum(4 * t.numel() for b in rest for t in b)
+    for lo in (loader, cut, resumed):
+        lo.close()

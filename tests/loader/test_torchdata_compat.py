@@ -202,3 +202,14 @@ def test_a_tensors_version_counts_its_in_place_changes() -> None:
 def test_shared_storage() -> None:
     s = compat.new_shared_storage(24)
     assert isinstance(s, torch.UntypedStorage) and s.nbytes() == 24 and s.is_shared()
+
+
+def test_torchs_pinning_keeps_a_named_tuple_whole() -> None:
+    """The loader's counted batches (a named tuple: the batch and its samples) pass through torch's pin-memory
+    thread, which pins a named tuple field by field and keeps its type."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    from stagingloader.loader.collate import Counted
+
+    pinned = pin_memory(Counted(["a", {"b": "c"}], 2))
+    assert type(pinned) is Counted and pinned == Counted(["a", {"b": "c"}], 2)
