@@ -77,6 +77,7 @@ BY_HAND: dict[str, tuple[str, ...]] = {
     "tests/checkpoints/test_dcp.py::test_the_remote_is_marked_only_when_every_rank_drained": ("slow",),
     "tests/checkpoints/test_dcp.py::test_dcp_save_async_save_and_load_through_the_tiers": ("slow",),
     "tests/loader/test_loader.py::test_worker_memory_stays_flat_over_an_epoch": ("slow",),
+    "tests/cli/test_walkthrough.py": ("slow",),  # builds a wheel, installs it, stages, trains: ~30 s
 }
 
 

@@ -6,6 +6,7 @@ gathered by :func:`gather`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -15,10 +16,16 @@ from typing import Any
 import numpy as np
 
 from ..cache.tiers import GDS_FS, meminfo, mount_of
-from ..units import human_bytes
+from ..units import human_bytes, human_rate
 from .streamchoice import advise
 
-RESERVE = 0.9  #: plan to use at most 90 % of what a tier measured
+RESERVE = 0.9  #: plan to use at most 90 % of what a tier or the source measured
+
+
+def gbps(value: float) -> str:
+    """A rate given in GB/s, in the unit that fits it (``0.11 GB/s`` reads ``110 MB/s``): every number of a plan is
+    printed through this, so the same figure always reads the same."""
+    return human_rate(value * 1e9)
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class Advice:
     command: str = ""
     checkpoint: list[dict[str, Any]] = field(default_factory=list)
     verdict: str = ""
+    source_gbps: float = 0.0  #: what the plan counts on from the source: the measured rate x RESERVE
     streaming: dict[str, Any] = field(default_factory=dict)  #: stream, stage ahead or a cache limit (advice/streaming)
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,13 +81,14 @@ class Advice:
 def assess(f: Facts) -> Advice:
     """The verdict: a pure function of the facts."""
     need = f.mean_bytes * f.samples_per_s * f.gpus / 1e9
-    util = min(1.0, f.source_gbps * RESERVE / need) if need > 0 else 1.0
-    plan = Advice(need_gbps=need, direct_stalls=util < 1.0, direct_gpu_util=util)
+    usable = f.source_gbps * RESERVE  # the one source figure of the plan: every line and the verdict use it
+    util = min(1.0, usable / need) if need > 0 else 1.0
+    plan = Advice(need_gbps=need, direct_stalls=util < 1.0, direct_gpu_util=util, source_gbps=usable)
     if f.remote and f.links_gbps:
         name, best = max(f.links_gbps, key=lambda x: x[1])
         ok = best >= need
-        plan.link = (f"{name}: a {best * 8:.0f} Gb/s link delivers at most {best:.2f} GB/s; this job needs "
-                     f"{need:.2f} GB/s{'' if ok else ' -- reading over the network cannot keep up'}")
+        plan.link = (f"{name}: a {best * 8:.0f} Gb/s link delivers at most {gbps(best)}; this job needs "
+                     f"{gbps(need)}{'' if ok else ' -- reading over the network cannot keep up'}")
     fitting = []
     for t in f.tiers:
         budget = t.free_bytes
@@ -97,7 +106,7 @@ def assess(f: Facts) -> Advice:
     reread = f.epochs > 1
     if not plan.direct_stalls and not reread:
         plan.recommendation = "read straight from the source"
-        plan.reasons.append(f"the source delivers {f.source_gbps:.2f} GB/s, enough for {need:.2f} GB/s, "
+        plan.reasons.append(f"the source delivers {gbps(usable)}, enough for {gbps(need)}, "
                             "and one epoch reads each byte once")
     elif fitting:
         # RAM when the data fits beside the job and is reread every epoch; else the disk
@@ -108,16 +117,16 @@ def assess(f: Facts) -> Advice:
         plan.recommendation = f"stage to {pick['tier']} ({pick['kind']})"
         if not pick["keeps_up"]:
             capped = min(1.0, pick["read_gbps"] * RESERVE / need)
-            plan.reasons.append(f"even {pick['tier']} reads at {pick['read_gbps']:.2f} GB/s in one stream: about "
+            plan.reasons.append(f"even {pick['tier']} reads at {gbps(pick['read_gbps'])} in one stream: about "
                                 f"{100 * capped:.0f}% of the need; use several loader workers, and check the "
                                 "stall fraction the loader reports")
         if plan.direct_stalls:
             plan.reasons.append(f"reading the source directly would cap GPU utilisation at {100 * util:.0f}% "
-                                f"({f.source_gbps:.2f} GB/s of the {need:.2f} GB/s needed)")
+                                f"({gbps(usable)} of the {gbps(need)} needed)")
         if reread:
             plan.reasons.append(f"{f.epochs} epochs reread every byte: stage once, read locally")
         plan.reasons.append(f"{pick['tier']} has room ({human_bytes(pick['room_bytes'])} for "
-                            f"{human_bytes(f.total_bytes)}) and reads at {pick['read_gbps']:.2f} GB/s")
+                            f"{human_bytes(f.total_bytes)}) and reads at {gbps(pick['read_gbps'])}")
         if pick["stage_s"]:
             plan.reasons.append(f"staging takes about {pick['stage_s']:.1f} s")
         root = pick["tier"]
@@ -126,7 +135,7 @@ def assess(f: Facts) -> Advice:
         plan.recommendation = "no local tier fits: read from the source, or shard across nodes"
         plan.reasons.append(f"{human_bytes(f.total_bytes)} fits no local tier; "
                             "use `stagingloader stage SRC --shard node` so each node holds its part")
-    stream = advise(source=f.source, source_gbps=f.source_gbps * RESERVE, need_gbps=need, dataset_bytes=f.total_bytes,
+    stream = advise(source=f.source, source_gbps=usable, need_gbps=need, dataset_bytes=f.total_bytes,
                     epochs=f.epochs, tiers=[(r["tier"], int(r["room_bytes"])) for r in plan.tiers])
     if stream is not None:
         plan.streaming = stream.to_dict()
@@ -140,9 +149,10 @@ def assess(f: Facts) -> Advice:
                 overhead = secs / (f.checkpoint_every_min * 60)
                 plan.checkpoint.append({"tier": t.path, "bytes": size, "write_s": secs,
                                         "overhead": overhead, "under_5_percent": overhead < 0.05})
-    state = ("the GPUs would wait on data" if plan.direct_stalls else "the source keeps up")
-    plan.verdict = (f"needs {need:.2f} GB/s; reading the source directly: {state} "
-                    f"(GPU utilisation capped at {100 * util:.0f}%). Recommendation: {plan.recommendation}.")
+    state = (f"reading it directly, the GPUs would wait on data (utilisation capped at {100 * util:.0f}%)"
+             if plan.direct_stalls else "enough to read it directly")
+    plan.verdict = (f"needs {gbps(need)}; the source delivers {gbps(usable)}: {state}. "
+                    f"Recommendation: {plan.recommendation}.")
     return plan
 
 
@@ -187,8 +197,10 @@ def gather(src: str, *, samples_per_s: float, gpus: int = 1, epochs: int = 1, jo
     tier_facts = []
     paths = [Path(t) for t in tiers] if tiers else [p for p, _ in auto_candidates(env_d, current_user())]
     for path in paths:
-        if path.parent.is_dir():
-            path.mkdir(mode=0o700, exist_ok=True)
+        made = False
+        if path.parent.is_dir() and not path.exists():
+            path.mkdir(mode=0o700)
+            made = True  # only to probe it: removed again below, so a plan leaves no empty folder in /dev/shm
         if not path.is_dir():
             continue
         key = str(path)
@@ -206,6 +218,9 @@ def gather(src: str, *, samples_per_s: float, gpus: int = 1, epochs: int = 1, jo
         tier_facts.append(TierFacts(key, "tmpfs" if m.is_memory else "disk", m.fs_type,
                                     os.statvfs(path).f_bavail * os.statvfs(path).f_frsize,
                                     res.seq_write_gbps or 0.0, res.seq_read_gbps or 0.0))
+        if made:
+            with contextlib.suppress(OSError):
+                path.rmdir()
     mem = meminfo()
     facts = Facts(src, remote, len(files), int(sizes.sum()), float(sizes.mean()), float(np.percentile(sizes, 99)),
                   src_probe.read_gbps, tuple(tier_facts), tuple(link_speeds()), mem.get("MemAvailable", 0),

@@ -242,11 +242,16 @@ def probe_source(url: str, seconds: float = 30.0, storage_options: dict[str, Any
 
 
 def probes_file(env: dict[str, str]) -> Path:
-    """Where this node keeps its probe results: under the staging root."""
-    from ..cache.layout import current_user
+    """Where this node's probe results are kept: in the user's state folder, beside the roots registry
+    (``~/.local/state/stagingloader/probes-<host>.json``), not in a staging root (on tmpfs, RAM nobody frees);
+    without a home, under ``$STAGINGLOADER_ROOT`` or the temporary folder."""
+    from ..cache.registry import registry_file
 
-    root = Path(env.get("STAGINGLOADER_ROOT") or f"/dev/shm/stagingloader-{current_user()}")
-    return root / f".probes-{socket.gethostname()}.json"
+    registry = registry_file(env)
+    if registry is not None:
+        return registry.parent / f"probes-{socket.gethostname()}.json"
+    folder = env.get("STAGINGLOADER_ROOT") or env.get("TMPDIR") or "/tmp"
+    return Path(folder) / f".stagingloader-probes-{socket.gethostname()}.json"
 
 
 def save(res: ProbeResult, env: dict[str, str]) -> Path:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..units import human_bytes
+from ..units import human_bytes, human_rate
 
 MUCH_SLOWER = 0.5  #: a source delivering under this share of the need is "much slower"
 LIMIT_SHARE = 0.9  #: a cache limit at this share of the tier's room (the rest: the stager's in-flight files)
@@ -58,7 +58,8 @@ def advise(*, source: str, source_gbps: float, need_gbps: float, dataset_bytes: 
         source_gbps=source_gbps, need_gbps=need_gbps, ratio=ratio, dataset_bytes=dataset_bytes, tier=tier,
         room_bytes=room, copy_s=copy_s, epoch_s=epoch_s, epoch1_stream_s=max(copy_s, epoch_s),
         stage_then_train_s=copy_s + epoch_s, epoch1_gpu_util=min(1.0, ratio))
-    rates = f"the source delivers {source_gbps:.2f} GB/s and training consumes {need_gbps:.2f} GB/s"
+    rates = (f"the source delivers {human_rate(source_gbps * 1e9)} and training consumes "
+             f"{human_rate(need_gbps * 1e9)}")
     if dataset_bytes > room:
         limit = int(room * LIMIT_SHARE)
         reread = dataset_bytes - limit

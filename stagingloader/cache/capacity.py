@@ -40,7 +40,8 @@ class Tier:
         if self.cgroup is not None:
             extra += (f", bound by this job's memory limit: {human_bytes(self.cgroup.limit)} in cgroup "
                       f"{self.cgroup.path}, {human_bytes(self.cgroup.left)} left")
-        return f"{self.path} ({self.kind} {self.mount.fs_type}, {human_bytes(self.free)} free{extra})"
+        kind = self.kind if self.kind == self.mount.fs_type else f"{self.kind} {self.mount.fs_type}"
+        return f"{self.path} ({kind}, {human_bytes(self.free)} free{extra})"
 
 
 def tier_of(path: Path, max_ram_fraction: float) -> Tier:

@@ -9,6 +9,7 @@ the budget and goes before whole datasets do: on tmpfs it is memory.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import time
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CacheError, DatasetNotFoundError, ManifestError
+from ..errors import CacheError, DatasetNotFoundError, LockTimeoutError, ManifestError, UsageError
 from . import leases, trust
 from .capacity import auto_candidates
 from .layout import DatasetDir, current_user, find_dataset_dir
@@ -38,6 +39,8 @@ class DatasetInfo:
     state: str  #: ready | staging | incomplete | "incomplete, N bytes in incoming/" | broken
     incoming_bytes: int = 0  #: what an unpublished (or killed) stage holds in incoming/, in blocks used
     lease_details: list[dict[str, Any]] = field(default_factory=list)  #: name, version, holder of each lease
+    stale_leases: list[dict[str, Any]] = field(default_factory=list)  #: leases whose holder is gone (gc drops them)
+    root: str = ""  #: the staging root it lives in
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,7 +92,9 @@ def sweep_deleted(root: Path) -> None:
                 shutil.rmtree(entry.path, ignore_errors=True)
 
 
-def describe(ddir: DatasetDir) -> DatasetInfo:
+def describe(ddir: DatasetDir, *, drop_stale: bool = True) -> DatasetInfo:
+    """What ``ls`` shows of one dataset.  ``drop_stale``: remove the leases whose holder is gone (else they are
+    listed as stale, and left for ``gc``)."""
     info = ddir.read_info()
     files = size = 0
     state = "ready"
@@ -107,10 +112,19 @@ def describe(ddir: DatasetDir) -> DatasetInfo:
         state = f"incomplete, {incoming} bytes in incoming/"
     if is_locked(ddir.lock_file):
         state = "staging"
-    live = sorted(leases.live(ddir), key=lambda lease: lease.name)
+    stale: list[leases.Lease] = []
+    if drop_stale:
+        live = leases.live(ddir)
+    else:
+        live, stale = leases.scan(ddir)
     return DatasetInfo(ddir.key, str(ddir.path), str(info.get("source", "?")), version, files, size,
                        [f"{lease.name}@{lease.version}" for lease in live], ddir.last_used(), state, incoming,
-                       [{"name": lease.name, "version": lease.version, "holder": lease.holder} for lease in live])
+                       [_lease_detail(lease) for lease in live], [_lease_detail(lease) for lease in stale],
+                       str(ddir.path.parent))
+
+
+def _lease_detail(lease: leases.Lease) -> dict[str, Any]:
+    return {"name": lease.name, "version": lease.version, "holder": lease.holder, "created": lease.created}
 
 
 def used_bytes(path: Path) -> int:
@@ -139,22 +153,32 @@ def _holding_lock(d: DatasetDir) -> Iterator[bool]:
 
 
 def list_datasets(root: str, env: Mapping[str, str]) -> list[DatasetInfo]:
-    return [describe(d) for r in roots(root, env) for d in datasets(r)]
+    """Every dataset under the roots, stale leases shown (``gc`` drops them)."""
+    return [describe(d, drop_stale=False) for r in roots(root, env) for d in datasets(r)]
 
 
 def gc(root: str, keep_bytes: int, env: Mapping[str, str], *, dry_run: bool = False) -> dict[str, Any]:
     """Evict least recently used datasets until at most ``keep_bytes`` stay staged.
 
-    Old versions no lease holds go first; then what killed stagers left in ``incoming/``; then whole
-    datasets, oldest use first.  Every decision and removal is made under the dataset's lock; a dataset
-    with a live lease, or one being staged (locked), is never removed.
+    Leases whose holder is gone go first (the run that took them has ended); then old versions no lease holds;
+    then what killed stagers left in ``incoming/``, and datasets a refused first stage left empty; then whole
+    datasets, oldest use first.  Every decision and removal is made under the dataset's lock; a dataset with a
+    live lease (another job's, this user's included), or one being staged (locked), is never removed.  The result
+    names the roots looked in and each dataset by its folder (two roots may hold datasets of one name).
     """
+    looked = roots(root, env)
     if not dry_run:
-        for r in roots(root, env):
+        for r in looked:
             sweep_deleted(r)
-    found = [d for r in roots(root, env) for d in datasets(r) if _own_folder(d.path)]  # never another user's
-    removed = [name for d in found for name in _drop_old_versions(d, dry_run=dry_run)]
-    infos = [describe(d) for d in found]
+    found = [d for r in looked for d in datasets(r) if _own_folder(d.path)]  # never another user's
+    stale = 0 if dry_run else sum(len(leases.drop_stale(d)) for d in found)
+    removed: list[str] = []
+    paths: list[str] = []
+    for d in found:
+        for name in _drop_old_versions(d, dry_run=dry_run):
+            removed.append(name)
+            paths.append(str(d.path / name.rpartition("/")[2]))
+    infos = [describe(d, drop_stale=not dry_run) for d in found]
     size = {i.path: i.bytes + i.incoming_bytes for i in infos}
     total = sum(size.values())
     by_age = sorted(infos, key=lambda i: i.last_used)
@@ -163,19 +187,40 @@ def gc(root: str, keep_bytes: int, env: Mapping[str, str], *, dry_run: bool = Fa
             break
         if info.incoming_bytes and _drop_incoming(DatasetDir(Path(info.path)), dry_run=dry_run):
             removed.append(f"{info.key}/incoming")
+            paths.append(f"{info.path}/incoming")
             total -= info.incoming_bytes
             size[info.path] -= info.incoming_bytes
+    gone: set[str] = set()
+    for info in by_age:  # what a refused first stage left (dataset.json, .lock): nothing to keep, whatever the budget
+        if info.version is None and info.state == "incomplete" and not size[info.path] and not info.leases \
+                and _evict(info, dry_run=dry_run):
+            removed.append(info.key)
+            paths.append(info.path)
+            gone.add(info.path)
     busy: list[str] = []
+    kept: list[dict[str, Any]] = []
     for info in by_age:
         if total <= keep_bytes:
             break
+        if info.path in gone:
+            continue
         if _evict(info, dry_run=dry_run):
             removed.append(info.key)
+            paths.append(info.path)
             total -= size[info.path]
         else:
             busy.append(info.key)
-    return {"removed": removed, "busy": busy, "remaining_bytes": total, "keep_bytes": keep_bytes,
-            "dry_run": dry_run, "time": time.time()}
+            kept.append({"path": info.path, "why": _why_kept(info)})
+    return {"removed": removed, "removed_paths": paths, "busy": busy, "kept": kept, "remaining_bytes": total,
+            "keep_bytes": keep_bytes, "dry_run": dry_run, "roots": [str(r) for r in looked],
+            "stale_leases_dropped": stale, "time": time.time()}
+
+
+def _why_kept(info: DatasetInfo) -> str:
+    if info.lease_details:
+        holders = sorted({f"{d['name']} ({d['holder']})" for d in info.lease_details})
+        return "leased by " + ", ".join(holders[:3]) + (f" and {len(holders) - 3} more" if len(holders) > 3 else "")
+    return "being staged" if info.state == "staging" else "locked by a stager"
 
 
 def _drop_old_versions(d: DatasetDir, *, dry_run: bool) -> list[str]:
@@ -183,7 +228,7 @@ def _drop_old_versions(d: DatasetDir, *, dry_run: bool) -> list[str]:
     with _holding_lock(d) as locked:
         if not locked:
             return []
-        held = {lease.version for lease in leases.live(d)}
+        held = {lease.version for lease in (leases.scan(d)[0] if dry_run else leases.live(d))}
         current = d.current()
         doomed = [v for v in d.versions() if v != current and v not in held]
         if not dry_run:
@@ -210,11 +255,54 @@ def _evict(info: DatasetInfo, *, dry_run: bool) -> bool:
         return False
     d = DatasetDir(Path(info.path))
     with _holding_lock(d) as locked:
-        if not locked or leases.live(d):
+        if not locked or (leases.scan(d)[0] if dry_run else leases.live(d)):
             return False
         if not dry_run:
             d.remove()
         return True
+
+
+def remove(d: DatasetDir, *, chain: frozenset[tuple[int, int]], names: frozenset[str],
+           dry_run: bool = False) -> dict[str, Any]:
+    """Remove one whole dataset (``stagingloader rm``) once the caller's leases on it are dropped.
+
+    ``chain`` and ``names`` say which leases are the caller's (:func:`.leases.is_callers`).  Refused, with whose
+    they are, while another live lease holds it (another job's, this user's included), and while a stager holds
+    its lock: :class:`UsageError` and :class:`LockTimeoutError`.  Only a folder of the caller's own is removed."""
+    if not _own_folder(d.path):
+        raise CacheError(f"{d.path} is not a folder of yours: it is not yours to remove")
+    with _holding_lock(d) as locked:
+        if not locked:
+            raise LockTimeoutError(f"{d.path} is being staged{_lock_holder(d)}; wait for it to finish, then run "
+                                   "`stagingloader rm` again")
+        held, _stale = leases.scan(d)
+        others = [lease for lease in held if not leases.is_callers(lease, chain=chain, names=names)]
+        if others:
+            whose = ", ".join(f"{lease.name}@{lease.version} ({lease.holder})" for lease in others[:3])
+            more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+            raise UsageError(f"{d.path} is in use: {len(others)} lease{'s' if len(others) != 1 else ''} other than "
+                             f"yours hold{'s' if len(others) == 1 else ''} it ({whose}{more}); removed when they "
+                             "are released (`stagingloader release DATASET --lease NAME`) or their holders end")
+        mine = [lease.name for lease in held]
+        size = sum(used_bytes(d.path / v) for v in d.versions()) + used_bytes(d.incoming)
+        if not dry_run:
+            for name in mine:
+                leases.release(d, name)
+            d.remove()
+    if not dry_run and d.path.parent.name == f"stagingloader-{current_user()}":
+        with contextlib.suppress(OSError):  # the private folder --root auto made, now empty: nothing left in RAM
+            d.path.parent.rmdir()
+    return {"ok": True, "removed": str(d.path), "bytes": size, "leases_dropped": mine, "dry_run": dry_run}
+
+
+def _lock_holder(d: DatasetDir) -> str:
+    try:
+        info = json.loads(trust.read_small(d.path / ".lock.info"))
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(info, dict):
+        return ""
+    return f" (pid {info.get('pid', '?')} on {info.get('host', '?')})"
 
 
 def find(dataset: str, root: str, env: Mapping[str, str], *,

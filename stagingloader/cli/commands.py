@@ -16,7 +16,7 @@ from ..errors import ExitCode, RootError, UsageError
 from ..sources.source import Source
 from ..staging.result import StagedDataset
 from ..staging.stager import StageOptions, StagePlan, plan_stage, run_stage
-from ..units import human_bytes
+from ..units import human_bytes, human_rate, plural
 from .progress import make_progress
 
 Result = tuple[int, Any]
@@ -28,7 +28,7 @@ def _out(args: argparse.Namespace, text: str) -> None:
 
 
 def _rate(nbytes: int, seconds: float) -> str:
-    return f"{nbytes / seconds / 1e9:.2f} GB/s" if seconds > 0 and nbytes else "-"
+    return human_rate(nbytes / seconds) if seconds > 0 and nbytes else "-"
 
 
 def cmd_stage(args: argparse.Namespace) -> Result:
@@ -49,7 +49,7 @@ def cmd_stage(args: argparse.Namespace) -> Result:
     try:
         # outside Slurm and without --lease, the lease lives as long as our caller (the job script), not us
         result = run_stage(args.src, opts, env=env, callback=progress, on_file=progress.file_done,
-                           holder_pid=os.getppid())
+                           holder_pid=os.getppid(), renew_lease=True)  # one lease per caller and version
     finally:
         progress.close()
     return ExitCode.OK, _print_staged(args, result)
@@ -70,7 +70,7 @@ def _stage_no_wait(args: argparse.Namespace, opts: StageOptions) -> Result:
         limit = ds.stream.cache_limit
         how = (f"under a cache limit of {human_bytes(limit)}: never published complete" if limit is not None
                else f"{ds.version} is published when complete (stagingloader ls; sl.stage(SRC, wait=False).wait())")
-        _out(args, f"streaming {ds.source}: {len(ds.files)} files, {human_bytes(ds.total_bytes)}, {how}\n"
+        _out(args, f"streaming {ds.source}: {plural(len(ds.files), 'file')}, {human_bytes(ds.total_bytes)}, {how}\n"
                    f"  lease: {ds.lease}\n{ds.dataset_dir}")
     else:
         _out(args, f"already staged and verified: {ds.source}, version {ds.version}\n  lease: {ds.lease}\n"
@@ -93,10 +93,10 @@ def _print_plan(args: argparse.Namespace, sp: StagePlan) -> Result:
         what = "nothing to copy: the staged copy is up to date"
     else:
         reasons = ", ".join(f"{n} {r}" for r, n in sorted(p.reasons.items())) or "none"
-        what = (f"copy {len(p.copy)} files ({human_bytes(p.bytes_to_copy)}: {reasons}), "
+        what = (f"copy {plural(len(p.copy), 'file')} ({human_bytes(p.bytes_to_copy)}: {reasons}), "
                 f"reuse {p.reused_files}, drop {p.removed} gone from the source")
     fits = "fits" if p.fits else "does NOT fit"
-    _out(args, f"dry run: {sp.source}\n  {p.total_files} files, {human_bytes(p.total_bytes)}\n  {what}\n"
+    _out(args, f"dry run: {sp.source}\n  {plural(p.total_files, 'file')}, {human_bytes(p.total_bytes)}\n  {what}\n"
                f"  into {sp.dataset_dir} ({sp.root_reason})\n  {fits}: "
                f"{human_bytes(p.bytes_to_copy)} needed, {human_bytes(p.free_bytes or 0)} available")
     return (ExitCode.OK if p.fits else ExitCode.NO_SPACE), {"ok": p.fits, "dry_run": True, **sp.to_dict()}
@@ -106,7 +106,7 @@ def _print_staged(args: argparse.Namespace, ds: StagedDataset) -> dict[str, Any]
     r = ds.report
     assert r is not None
     if r.new_version:
-        parts = [f"copied {r.copied_files} files ({human_bytes(r.copied_bytes)})"]
+        parts = [f"copied {plural(r.copied_files, 'file')} ({human_bytes(r.copied_bytes)})"]
         if r.resumed_bytes:
             parts.append(f"resumed {human_bytes(r.resumed_bytes)} already copied")
         if r.reused_files:
@@ -117,8 +117,8 @@ def _print_staged(args: argparse.Namespace, ds: StagedDataset) -> dict[str, Any]
             parts.append(f"dropped {r.removed_files} gone from the source")
         what = ", ".join(parts)
     else:
-        what = f"already staged and verified: reused all {r.files} files"
-    _out(args, f"staged {r.source}\n  {what}\n  {r.files} files, {human_bytes(r.bytes)} in {r.seconds:.2f}s "
+        what = f"already staged and verified: reused all {plural(r.files, 'file')}"
+    _out(args, f"staged {r.source}\n  {what}\n  {plural(r.files, 'file')}, {human_bytes(r.bytes)} in {r.seconds:.2f}s "
                f"({_rate(r.copied_bytes, r.seconds)}), version {r.version}, {r.tier} ({r.root_reason})\n"
                f"  lease: {ds.lease}\n{ds.root}")
     return {"ok": True, "root": str(ds.root), "lease": ds.lease, **r.to_dict()}
@@ -142,7 +142,7 @@ def cmd_verify(args: argparse.Namespace) -> Result:
         _out(args, f"MISSING  {rel}")
     verdict = "OK" if report.ok else f"{len(report.bad)} bad, {len(report.missing)} missing"
     hint = "" if report.ok else "\n  run `stagingloader stage SRC` again to repair them"
-    _out(args, f"verify {report.dataset} ({report.version}): {verdict}; {report.checked_files} files, "
+    _out(args, f"verify {report.dataset} ({report.version}): {verdict}; {plural(report.checked_files, 'file')}, "
                f"{human_bytes(report.checked_bytes)} in {report.seconds:.2f}s "
                f"({_rate(report.checked_bytes, report.seconds)}){hint}")
     return (ExitCode.OK if report.ok else ExitCode.VERIFY_FAILED), report.to_dict()
@@ -158,14 +158,32 @@ def cmd_ls(args: argparse.Namespace) -> Result:
                   + ", ".join(map(str, housekeeping.roots(args.root, dict(os.environ)))) + ")")
         for i in infos:
             used = datetime.fromtimestamp(i.last_used).strftime("%Y-%m-%d %H:%M") if i.last_used else "never"
-            held = ", ".join(f"{d['name']}@{d['version']} ({d['holder']})" for d in i.lease_details) or "none"
             state = i.state if i.version is None or not i.incoming_bytes else \
                 f"{i.state} (+{human_bytes(i.incoming_bytes)} in incoming/)"
             if streams[i.path]:
                 state = f"{state}, {streams[i.path]}"
-            print(f"{state:<10} {i.version or '-':<4} {human_bytes(i.bytes + i.incoming_bytes):>10} {i.files:>8} "
-                  f"files  used {used}  leases: {held}\n           {i.source}\n           {i.path}")
+            print(f"{state:<10} {i.version or '-':<4} {human_bytes(i.bytes + i.incoming_bytes):>10} "
+                  f"{plural(i.files, 'file'):>11}  used {used}\n           leases: {_leases_line(i)}"
+                  f"\n           {i.source}\n           {i.path}")
     return ExitCode.OK, {"datasets": [{**i.to_dict(), "streaming": streams[i.path] or None} for i in infos]}
+
+
+LS_NEWEST = 3  #: the leases ls names of each dataset (the newest); the rest are counted
+
+
+def _leases_line(i: housekeeping.DatasetInfo) -> str:
+    """``2 (newest: pid-...@v1 (process 4242), mine@v1 (named, until release)), 1 stale (holder gone; gc drops
+    it)``: a count and the newest few, never every lease on one line."""
+    live = i.lease_details
+    newest = sorted(live, key=lambda d: d.get("created") or 0.0, reverse=True)[:LS_NEWEST]
+    names = ", ".join(f"{d['name']}@{d['version']} ({d['holder']})" for d in newest)
+    text = "none" if not live else (f"1: {names}" if len(live) == 1 else
+                                    f"{len(live)} (newest: {names})" if len(live) > LS_NEWEST else
+                                    f"{len(live)}: {names}")
+    if i.stale_leases:
+        n = len(i.stale_leases)
+        text += f"; {n} stale (holder gone; `stagingloader gc` drops {'it' if n == 1 else 'them'})"
+    return text
 
 
 def _stream_state(ddir: Path) -> str:
@@ -187,26 +205,69 @@ def cmd_gc(args: argparse.Namespace) -> Result:
     _given_root(args)
     result = housekeeping.gc(args.root, args.keep_bytes, dict(os.environ), dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
-    _out(args, f"{verb} {len(result['removed'])}: {', '.join(result['removed']) or 'nothing'}; "
-               f"{human_bytes(result['remaining_bytes'])} stay staged (budget {human_bytes(args.keep_bytes)})"
-               + (f"; kept in use: {', '.join(result['busy'])}" if result["busy"] else ""))
+    lines = [f"gc looked in {plural(len(result['roots']), 'root')}: {', '.join(result['roots']) or 'none'}"
+             + ("" if args.root != "auto" else " (every root you staged into on this node; --root DIR for one)")]
+    if result["stale_leases_dropped"]:
+        lines.append(f"dropped {plural(result['stale_leases_dropped'], 'stale lease')} (their holders had ended)")
+    lines.append(f"{verb} {len(result['removed_paths'])}" + (":" if result["removed_paths"] else ": nothing"))
+    lines += [f"  {p}" for p in result["removed_paths"]]
+    if result["kept"]:
+        lines.append(f"kept in use {len(result['kept'])}:")
+        lines += [f"  {k['path']}: {k['why']}" for k in result["kept"]]
+    lines.append(f"{human_bytes(result['remaining_bytes'])} stay staged (budget {human_bytes(args.keep_bytes)})")
+    _out(args, "\n".join(lines))
     return ExitCode.OK, result
+
+
+def _callers(args: argparse.Namespace) -> tuple[frozenset[tuple[int, int]], frozenset[str]]:
+    """Which leases are the caller's: those of the process that ran us and its ancestors (the shell, the job
+    script), the Slurm job's, and --lease NAME."""
+    names = {n for n in (getattr(args, "lease", None), leases.default_lease_name()) if n}
+    return leases.caller_chain(os.getppid()), frozenset(names)
 
 
 def cmd_release(args: argparse.Namespace) -> Result:
     ddir = _find(args)
-    name = args.lease or leases.default_lease_name()
-    if name is not None:
-        names = [name] if leases.release(ddir, name) else []
-        what = f"no lease named {name}"
-    else:  # the leases `stage` took for our caller (this shell or job script)
-        names = leases.release_held_by(ddir, os.getppid())
-        what = f"no lease held by this shell or script (process {os.getppid()})"
-    if not names:
-        held = ", ".join(f"{lease.name} ({lease.holder})" for lease in leases.live(ddir)) or "none"
-        raise UsageError(f"{ddir.path} has {what} (leases held: {held}); pass --lease NAME")
-    _out(args, f"released {', '.join(names)} on {ddir.path}")
-    return ExitCode.OK, {"ok": True, "dataset": str(ddir.path), "lease": names[0], "leases": names}
+    if args.lease:
+        leases.check_name(args.lease)
+        stale: list[leases.Lease] = []
+        leases.live(ddir, stale)
+        dropped = [args.lease] if leases.release(ddir, args.lease) else []
+        what = f"no lease named {args.lease}"
+    else:  # the caller's: this shell's and its parents', the Slurm job's, and those whose holder has ended
+        chain, names = _callers(args)
+        mine, stale = leases.release_callers(ddir, chain=chain, names=names)
+        dropped = [lease.name for lease in mine]
+        what = "no lease of yours (this shell's, its script's or this Slurm job's)"
+    held = leases.live(ddir)
+    lines = [f"released {plural(len(dropped), 'lease')} on {ddir.path}" + (f": {', '.join(dropped)}" if dropped
+                                                                          else f" ({what}: already released?)")]
+    if stale:
+        lines.append(f"  dropped {plural(len(stale), 'stale lease')} (holder gone)")
+    if held:
+        lines.append(f"  still held by {plural(len(held), 'other lease')}: "
+                     + ", ".join(f"{lease.name} ({lease.holder})" for lease in held[-3:])
+                     + (" ..." if len(held) > 3 else ""))
+    version = ddir.current()
+    cached = sum(housekeeping.used_bytes(ddir.path / v) for v in ddir.versions())
+    lines.append(f"  the staged copy stays cached ({human_bytes(cached)}{f', {version}' if version else ''}) for the "
+                 f"next stage to reuse; free it with `stagingloader rm {ddir.path}`, or `stagingloader gc "
+                 f"--keep-bytes 0 --root {ddir.path.parent}` for every unleased dataset there")
+    _out(args, "\n".join(lines))
+    return ExitCode.OK, {"ok": True, "dataset": str(ddir.path), "lease": dropped[0] if dropped else None,
+                         "leases": dropped, "released": len(dropped), "stale_dropped": [x.name for x in stale],
+                         "still_held": [x.name for x in held], "cached_bytes": cached}
+
+
+def cmd_rm(args: argparse.Namespace) -> Result:
+    ddir = _find(args)
+    chain, names = _callers(args)
+    result = housekeeping.remove(ddir, chain=chain, names=names, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    dropped = result["leases_dropped"]
+    _out(args, f"{verb} {ddir.path} ({human_bytes(result['bytes'])})"
+               + (f", after releasing your {plural(len(dropped), 'lease')}: {', '.join(dropped)}" if dropped else ""))
+    return ExitCode.OK, result
 
 
 def cmd_manifest(args: argparse.Namespace) -> Result:
@@ -225,7 +286,7 @@ def cmd_manifest(args: argparse.Namespace) -> Result:
     finally:
         progress.close()
     seconds = time.perf_counter() - t0
-    _out(args, f"wrote {where}: {len(m)} files, {human_bytes(m.total_bytes)} hashed in {seconds:.2f}s "
+    _out(args, f"wrote {where}: {plural(len(m), 'file')}, {human_bytes(m.total_bytes)} hashed in {seconds:.2f}s "
                f"({_rate(m.total_bytes, seconds)}); dataset digest {m.dataset_digest}")
     return ExitCode.OK, {"ok": True, "manifest": where, "files": len(m), "bytes": m.total_bytes,
                          "dataset_digest": m.dataset_digest, "seconds": seconds}
@@ -263,13 +324,14 @@ def cmd_probe(args: argparse.Namespace) -> Result:
         res = probe.probe_source(args.target, args.seconds, args.storage_options)
     saved = probe.save(res, env)
     if not args.json:
-        print(f"probe of {res.target} ({res.kind}, {res.fs_type}) in {res.seconds:.1f}s")
+        kind = res.kind if res.kind == res.fs_type else f"{res.kind}, {res.fs_type}"
+        print(f"probe of {res.target} ({kind}) in {res.seconds:.1f}s")
         if res.seq_write_gbps is not None:
-            print(f"  sequential write  {res.seq_write_gbps:6.2f} GB/s")
+            print(f"  sequential write  {human_rate(res.seq_write_gbps * 1e9):>11}")
         if res.seq_read_gbps is not None:
-            print(f"  sequential read   {res.seq_read_gbps:6.2f} GB/s   ({res.cold_read})")
+            print(f"  sequential read   {human_rate(res.seq_read_gbps * 1e9):>11}   ({res.cold_read})")
         for size, phases in res.files_per_s.items():
-            print(f"  {size:>7} files   " + ", ".join(f"{k} {v:,.0f}/s" for k, v in phases.items()))
+            print(f"  {size:>7} files   " + ", ".join(f"{k} {human_rate(v, 'files')}" for k, v in phases.items()))
         for op, lat in res.latency_ms.items():
             print(f"  latency {op:<14} p50 {lat['p50']:.3f} ms  p99 {lat['p99']:.3f} ms")
         for n, row in res.get_concurrency.items():
@@ -289,17 +351,18 @@ def cmd_plan(args: argparse.Namespace) -> Result:
         checkpoint_every_min=args.checkpoint_every, tiers=args.tier)
     plan = planner.assess(facts)
     if not args.json:
-        print(f"{facts.source}: {facts.files} files, {human_bytes(facts.total_bytes)}, mean "
+        print(f"{facts.source}: {plural(facts.files, 'file')}, {human_bytes(facts.total_bytes)}, mean "
               f"{human_bytes(facts.mean_bytes)}, p99 {human_bytes(facts.p99_bytes)}")
-        print(f"needs {plan.need_gbps:.3f} GB/s ({human_bytes(facts.mean_bytes)} x {facts.samples_per_s:g} samples/s "
-              f"x {facts.gpus} GPUs); the source delivers {facts.source_gbps:.3f} GB/s")
+        print(f"needs {planner.gbps(plan.need_gbps)} ({human_bytes(facts.mean_bytes)} x {facts.samples_per_s:g} "
+              f"samples/s x {plural(facts.gpus, 'GPU')}); the source delivers {planner.gbps(plan.source_gbps)} "
+              f"({planner.gbps(facts.source_gbps)} measured, counted at {100 * planner.RESERVE:.0f}%)")
         if plan.link:
             print(plan.link)
-        print(f"{'tier':<34} {'fits':<5} {'room':>10} {'stage':>8} {'reads':>10}  GDS")
+        print(f"{'tier':<34} {'fits':<5} {'room':>10} {'stage':>8} {'reads':>11}  GDS")
         for t in plan.tiers:
             stage = f"{t['stage_s']:.1f}s" if t["stage_s"] else "-"
             print(f"{t['tier']:<34} {'yes' if t['fits'] else 'no':<5} {human_bytes(t['room_bytes']):>10} {stage:>8} "
-                  f"{t['read_gbps']:>6.2f} GB/s  {'possible' if t['gds'] else 'no'}")
+                  f"{planner.gbps(t['read_gbps']):>11}  {'possible' if t['gds'] else 'no'}")
         for c in plan.checkpoint:
             print(f"checkpoint {human_bytes(c['bytes'])} to {c['tier']}: {c['write_s']:.1f}s, "
                   f"{100 * c['overhead']:.1f}% of every {args.checkpoint_every:g} min"

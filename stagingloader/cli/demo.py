@@ -9,6 +9,7 @@ workers), prints the loader's stats and diagnosis, and releases what it staged.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 from pathlib import Path
@@ -120,7 +121,7 @@ def run_demo(args: argparse.Namespace) -> tuple[int, Any]:
     say(f"    {'OK' if report.ok else 'FAILED'}: {report.checked_files} files, "
         f"{human_bytes(report.checked_bytes)} in {report.seconds:.2f}s")
     trained = _train(ds, say, epochs=args.epochs)
-    say(f"6/6 {_finish(ds, keep=args.keep)}")
+    say(f"6/6 {_finish(ds, keep=args.keep, auto_root=args.root == 'auto')}")
     code = ExitCode.OK if report.ok and steps["again"]["copied_files"] == 0 else ExitCode.VERIFY_FAILED
     return code, {"ok": code == ExitCode.OK, "source": str(source), "root": str(ds.root),
                   "dataset_dir": str(ds.dataset_dir), "kept": args.keep, "stages": steps,
@@ -175,8 +176,9 @@ def _train(ds: StagedDataset, say: Any, *, epochs: int) -> dict[str, Any] | None
     return {"epochs": epochs, "loss": loss_sum / seen, "accuracy": correct / seen, "loader": e.to_dict()}
 
 
-def _finish(ds: StagedDataset, *, keep: bool) -> str:
-    """Drop the demo's lease; unless asked to keep it, remove the staged copy (it sits in RAM on tmpfs)."""
+def _finish(ds: StagedDataset, *, keep: bool, auto_root: bool) -> str:
+    """Drop the demo's lease; unless asked to keep it, remove the staged copy (it sits in RAM on tmpfs), and the
+    ``stagingloader-$USER`` folder ``--root auto`` made for it if nothing else is in it."""
     ddir = DatasetDir(ds.dataset_dir)
     leases.release(ddir, LEASE)
     if keep:
@@ -186,6 +188,9 @@ def _finish(ds: StagedDataset, *, keep: bool) -> str:
         if leases.live(ddir):
             return f"left {ds.dataset_dir} in place: another run holds a lease on it"
         ddir.remove()
+    if auto_root and ddir.path.parent.name.startswith("stagingloader-"):  # the folder auto made, not a root you gave
+        with contextlib.suppress(OSError):  # not empty: other datasets of the user's live there
+            ddir.path.parent.rmdir()
     return f"removed the staged copy {ds.dataset_dir} (run with --keep to keep it); the sample source stays in " \
            f"{ds.source} for the next run"
 

@@ -133,23 +133,36 @@ def _options_file(path: str) -> dict[str, Any]:
     if not isinstance(opts, dict):
         raise UsageError(f"--options-file {path}: expected a JSON object of fsspec options, e.g. "
                          '{"key": "ID", "secret": "SECRET"}')
-    if mode & 0o077:
-        log.warning("%s can be read by other users; if it holds a secret, chmod 600 it", path)
+    if mode & 0o077:  # as ssh says of a key file
+        log.warning("--options-file %s: permissions %04o are too open (other users can %s it); chmod 600 %s",
+                    path, stat.S_IMODE(mode), "write" if mode & 0o022 else "read", path)
     return opts
+
+
+#: option names whose value is a credential (s3fs, gcsfs, adlfs, http auth)
+SECRET_OPTIONS = frozenset({"key", "secret", "token", "password", "session_token", "aws_secret_access_key",
+                            "aws_access_key_id", "aws_session_token", "account_key", "sas_token", "client_secret"})
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     if getattr(args, "options_file", None):
         opts.update(_options_file(args.options_file))
+    exposed = []
     for item in getattr(args, "option", None) or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise UsageError(f"-o expects KEY=VALUE, not {item!r} (e.g. -o anon=true -o region_name=us-east-1)")
+        if key.lower() in SECRET_OPTIONS:
+            exposed.append(key)
         try:
             opts[key] = json.loads(value)
         except ValueError:
             opts[key] = value
+    if exposed:
+        log.warning("-o %s: every user of this node sees this command line, secret included (ps); give it through "
+                    "--options-file (chmod 600) or the environment (AWS_SECRET_ACCESS_KEY, FSSPEC_S3_SECRET)",
+                    ", -o ".join(f"{k}=..." for k in exposed))
     if getattr(args, "endpoint_url", None):
         opts["endpoint_url"] = args.endpoint_url
     return opts
@@ -239,25 +252,50 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dataset", metavar="DATASET", help="a staged dataset's folder, or its source URL")
     v.add_argument("--workers", type=_positive_int, default=4, metavar="N", help="parallel hashing (default: 4)")
 
-    ls = sub.add_parser("ls", parents=[common, root_opt], help="what is staged: source, version, size, leases, state")
+    ls = sub.add_parser("ls", parents=[common, root_opt], help="what is staged: source, version, size, leases, state",
+                        description="List every dataset staged in the roots (with --root auto: every root you "
+                                    "staged into on this node): its state, version, size, files, last use, how "
+                                    "many leases hold it (the newest named) and the stale ones, its source and "
+                                    "its folder.")
     ls.set_defaults()
 
     g = sub.add_parser("gc", parents=[common, root_opt], help="evict least recently used datasets over a byte budget",
-                       description="Remove old versions nobody leases, then whole datasets, least recently used "
-                                   "first, until at most --keep-bytes stay. Never touches a leased or locked dataset.")
+                       description="Drop stale leases (their holder has ended), then remove old versions nobody "
+                                   "leases, what killed or refused stages left, then whole datasets, least recently "
+                                   "used first, until at most --keep-bytes stay. It says which roots it looks in "
+                                   "(with --root auto: every root you staged into on this node; --root DIR for one) "
+                                   "and names each dataset by its folder. Never touches a dataset a live lease "
+                                   "holds (another job's included) or one being staged.")
     g.add_argument("--keep-bytes", type=_size, required=True, metavar="N", help="budget, e.g. 500G or 0")
     g.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
 
-    r = sub.add_parser("release", parents=[common, src_opts, root_opt], help="drop a lease on a staged dataset")
+    r = sub.add_parser("release", parents=[common, src_opts, root_opt], help="drop your lease on a staged dataset",
+                       description="Drop your leases on a dataset: without --lease, those `stage` took for this "
+                                   "shell or script (and its parents) and this Slurm job's, however many; stale "
+                                   "leases (holder gone) go too. Releasing what is already released is not an "
+                                   "error. The staged copy stays cached for the next stage to reuse: "
+                                   "`stagingloader rm DATASET` or `gc` frees it.")
     r.add_argument("dataset", metavar="DATASET", help="a staged dataset's folder, or its source URL")
     r.add_argument("--lease", metavar="NAME",
-                   help="the lease to drop (default: the Slurm job's, else those `stage` took for this shell)")
+                   help="the named lease to drop (default: the Slurm job's, and those `stage` took for this shell "
+                        "or script)")
+
+    rm = sub.add_parser("rm", parents=[common, src_opts, root_opt],
+                        help="remove one staged dataset (after dropping your leases on it)",
+                        description="Remove a staged dataset, every version of it, given by its folder or its "
+                                    "source URL. Your leases on it (this shell's or script's, this Slurm job's, "
+                                    "--lease NAME) are dropped first; while another lease holds it (another job's, "
+                                    "yours from another shell included) it is refused, naming whose (exit 2), and "
+                                    "while a stager writes it (exit 5).")
+    rm.add_argument("dataset", metavar="DATASET", help="a staged dataset's folder, or its source URL")
+    rm.add_argument("--lease", metavar="NAME", help="a named lease of yours to drop with it (--lease of `stage`)")
+    rm.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
 
     m = sub.add_parser("manifest", parents=[common, src_opts],
                        help="write digests next to the source, for end-to-end verification",
                        description="Hash every file of SRC and write SRC/.stagingloader-manifest.json (or --output). "
                                    "Later stages check every copied file against it.")
-    m.add_argument("src", metavar="SRC")
+    m.add_argument("src", metavar="SRC", help="the source to hash: a path, s3://bucket/prefix, gs://..., https://...")
     m.add_argument("--output", metavar="PATH", help="where to write the manifest (default: inside SRC)")
     m.add_argument("--workers", type=_positive_int, metavar="N", help="parallel hashing")
 
@@ -266,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Measure a staging tier (an empty folder: written and read back) or a source "
                                     "(a folder with files or an object-store URL: only read) in about --seconds. "
                                     "Results are kept per node for `plan`.")
-    pr.add_argument("target", metavar="PATH|URL")
+    pr.add_argument("target", metavar="PATH|URL",
+                    help="an empty folder on the tier to measure, or a source (a folder with files, or a URL)")
     pr.add_argument("--seconds", type=_positive_float, default=30.0, help="time budget (default: 30)")
     pr.add_argument("--force", action="store_true", help="probe a folder that is not empty (in a subfolder)")
 
@@ -279,11 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "staging takes, and the command to run.",
                         epilog="example:\n  stagingloader plan /nfs/imagenet/train --samples-per-s 3000 --gpus 8 "
                                "--epochs 90 --job-ram 64G\n\n" + EPILOG)
-    pl.add_argument("src", metavar="SRC")
+    pl.add_argument("src", metavar="SRC", help="the dataset the job reads: a path or a URL")
     pl.add_argument("--samples-per-s", type=_positive_float, required=True, metavar="R",
                     help="samples per second per GPU")
-    pl.add_argument("--gpus", type=_positive_int, default=1, metavar="N")
-    pl.add_argument("--epochs", type=_positive_int, default=1, metavar="E")
+    pl.add_argument("--gpus", type=_positive_int, default=1, metavar="N", help="GPUs reading at that rate (default: 1)")
+    pl.add_argument("--epochs", type=_positive_int, default=1, metavar="E",
+                    help="passes over the dataset (default: 1); more than one favours staging")
     pl.add_argument("--job-ram", type=_size, default=0, metavar="BYTES", help="RAM the job itself needs (e.g. 64G)")
     pl.add_argument("--tier", action="append", metavar="DIR", help="tiers to consider (default: the auto candidates)")
     pl.add_argument("--seconds", type=_positive_float, default=10.0, help="probe budget per target (default: 10)")
@@ -298,14 +338,15 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stats", parents=[common], help="a saved loader's stats as a table (and a plot)",
                         description="Pretty-print stats saved by `loader.stats.save(path)`; --plot draws the wait "
                                     "time of every step (needs matplotlib).")
-    st.add_argument("file", metavar="FILE")
+    st.add_argument("file", metavar="FILE", help="a JSON file written by loader.stats.save(path)")
     st.add_argument("--plot", metavar="PNG", help="write a timeline of the wait per step")
 
     sl = sub.add_parser("slurm", help="the Slurm hooks: prolog, epilog, task-prolog (docs/slurm.md)",
                         description="Run as Slurm's Prolog, Epilog or TaskProlog. They read the job's request "
                                     "(--comment \"stage=SRC[;root=auto|tmpfs|nvme][;name=N]\") from the "
                                     "environment Slurm gives them, and exit 0 for any problem of the job's own.")
-    sl.add_argument("hook", choices=("prolog", "epilog", "task-prolog"))
+    sl.add_argument("hook", choices=("prolog", "epilog", "task-prolog"),
+                    help="which hook: prolog (stage, as root), epilog (release and evict), task-prolog (tell the job)")
     sl.set_defaults(json=False, quiet=True, verbose=False)
 
     d = sub.add_parser("demo", parents=[common],

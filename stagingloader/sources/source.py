@@ -8,11 +8,12 @@ relative path is validated: nothing from a source can name a place outside the s
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -86,6 +87,7 @@ class Source:
         self.storage_options = dict(storage_options or {})
         self.protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
         self.is_local = self.protocol in ("file", "local")
+        check_storage_options(self.protocol, self.storage_options)
         self.retry = RetryPolicy()
         self._reader: RangeReader | None = None
         self._reader_lock = threading.Lock()
@@ -302,6 +304,60 @@ class Source:
             data = manifest.to_json()
             call_with_retry(lambda: self.fs.pipe_file(target, data), target, self.retry)
         return target
+
+
+#: what every fsspec filesystem takes (AbstractFileSystem's own)
+_FSSPEC_COMMON = frozenset({"use_listings_cache", "listings_expiry_time", "max_paths", "skip_instance_cache",
+                            "asynchronous", "loop"})
+
+
+def check_storage_options(protocol: str, options: Mapping[str, Any]) -> None:
+    """An unknown storage option is a usage error for every protocol, at once (not a silent no-op for a path, nor a
+    retried failure for a server).  A local path takes none but fsspec's generic ones; s3:// is checked where it is
+    read (obstore or s3fs: no import here); another protocol by the options its filesystem class names."""
+    unknown = sorted(set(options) - _FSSPEC_COMMON)
+    if not unknown or protocol in ("s3", "s3a"):
+        return
+    if protocol not in ("file", "local"):
+        known = _named_options(protocol)
+        if known is None:
+            return  # cannot tell (not installed: the filesystem's own error says so)
+        unknown = [k for k in unknown if k not in known]
+        if not unknown:
+            return
+    where = "a local source (a path takes none: -o options are for s3://, gs://, https://...)" \
+        if protocol in ("file", "local") else f"{protocol}:// sources"
+    raise UsageError(f"unknown storage option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for "
+                     f"{where}; see `stagingloader stage --help`")
+
+
+def _named_options(protocol: str) -> frozenset[str] | None:
+    """The keyword arguments the filesystem of ``protocol`` names (every class of its MRO), plus, for http(s),
+    what aiohttp takes per request (fsspec passes its other options there); None when it cannot be known."""
+    import inspect
+
+    try:
+        import fsspec
+
+        cls = fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError):
+        return None
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        with contextlib.suppress(TypeError, ValueError):
+            names.update(p.name for p in inspect.signature(init).parameters.values()
+                         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    if protocol in ("http", "https"):
+        try:
+            import aiohttp
+
+            names.update(inspect.signature(aiohttp.ClientSession._request).parameters)
+        except (ImportError, AttributeError, TypeError, ValueError):
+            return None
+    return frozenset(names - {"self"})
 
 
 #: botocore's defaults wait 60 s for a connection and retry it 4 times: a host that does not answer took

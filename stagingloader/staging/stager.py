@@ -141,11 +141,12 @@ class StagePlan:
 def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = None,
               callback: Any = None, on_file: Callable[[int], None] | None = None,
               on_event: Callable[[str], None] | None = None,
-              holder_pid: int | None = None) -> StagedDataset:
+              holder_pid: int | None = None, renew_lease: bool = False) -> StagedDataset:
     """Stage ``src`` as ``opts`` say and block until it is published; see :func:`stagingloader.stage`.
 
     The run's lease is the named one ``opts.lease`` if given, else one tied to the process ``holder_pid`` (the
-    Python API's own process; the CLI's caller), else none.
+    Python API's own process; the CLI's caller), else none.  ``renew_lease`` (the CLI): the lease ``holder_pid``
+    already holds on the version is kept rather than another taken, so a shell that stages often holds one.
     """
     run, identity = open_run(src, opts, env=env, on_event=on_event, early_scan=True)
     try:
@@ -154,7 +155,8 @@ def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = N
         own_folder(run, env)
         with DatasetLock(run.ddir.lock_file, timeout=opts.lock_timeout, on_wait=run.say):
             own_folder(run)  # the folder whose lock we hold: gc may have removed the one we checked meanwhile
-            return _stage_locked(run, identity=identity, callback=callback, on_file=on_file, holder_pid=holder_pid)
+            return _stage_locked(run, identity=identity, callback=callback, on_file=on_file, holder_pid=holder_pid,
+                                 renew_lease=renew_lease)
     finally:
         if run.early is not None:
             run.early.close()
@@ -374,12 +376,16 @@ def plan_locked(run: StageRun, identity: str) -> LockedPlan:
 
 
 def _stage_locked(run: StageRun, *, identity: str, callback: Any, on_file: Callable[[int], None] | None,
-                  holder_pid: int | None) -> StagedDataset:
+                  holder_pid: int | None, renew_lease: bool = False) -> StagedDataset:
     """The stage's story, under the dataset's lock: check what is staged, plan, copy, publish, lease."""
     ddir = run.ddir
     lp = plan_locked(run, identity)
     plan = lp.plan
-    refuse_if_short(run, plan)
+    try:
+        refuse_if_short(run, plan)
+    except NoSpaceError:
+        _drop_if_empty(ddir)  # a refused first stage leaves nothing behind (no dataset.json, no .lock)
+        raise
     copier = None
     if plan.up_to_date:
         version, manifest = keep_published(run, lp)
@@ -387,7 +393,14 @@ def _stage_locked(run: StageRun, *, identity: str, callback: Any, on_file: Calla
         version = ddir.next_version()
         progress = Progress(callback, on_file)
         manifest, copier = _build_version(run, lp, progress, version)
-    return finish(run, lp, version, manifest, holder_pid=holder_pid, copier=copier)
+    return finish(run, lp, version, manifest, holder_pid=holder_pid, copier=copier, renew_lease=renew_lease)
+
+
+def _drop_if_empty(ddir: DatasetDir) -> None:
+    """Remove a dataset folder that holds nothing yet (no version, nothing in ``incoming/``, no lease); we hold its
+    lock, so no stager is writing it."""
+    if not ddir.versions() and trust.lstat(ddir.incoming) is None and not leases.scan(ddir)[0]:
+        ddir.remove()
 
 
 def keep_published(run: StageRun, lp: LockedPlan) -> tuple[str, Manifest]:
@@ -399,12 +412,12 @@ def keep_published(run: StageRun, lp: LockedPlan) -> tuple[str, Manifest]:
 
 
 def finish(run: StageRun, lp: LockedPlan, version: str, manifest: Manifest, *, holder_pid: int | None,
-           copier: Copier | None = None, lease_name: str | None = None) -> StagedDataset:
+           copier: Copier | None = None, lease_name: str | None = None, renew_lease: bool = False) -> StagedDataset:
     """After the version is published: take the run's lease (unless ``lease_name`` is the one it holds already),
     remove versions nobody leases, and say what was done."""
     ddir = run.ddir
     if lease_name is None:
-        lease_name = take_lease(run, version, holder_pid)
+        lease_name = take_lease(run, version, holder_pid, renew=renew_lease)
     _remove_unleased(ddir, keep=version)
     ddir.touch()
     return StagedDataset(run.source.url, ddir.version_dir(version) / "data", version, ddir.path, manifest,
@@ -469,13 +482,14 @@ def _forget_repairs(ddir: DatasetDir, version: str) -> None:
     ddir.write_repairs(repairs)
 
 
-def take_lease(run: StageRun, version: str, holder_pid: int | None) -> str | None:
-    """This run's lease: a named one (``--lease``, a Slurm job's), or one tied to the process ``holder_pid``."""
+def take_lease(run: StageRun, version: str, holder_pid: int | None, *, renew: bool = False) -> str | None:
+    """This run's lease: a named one (``--lease``, a Slurm job's), or one tied to the process ``holder_pid``
+    (``renew``: the one it holds on ``version`` already, if any)."""
     name = run.opts.lease
     if name is None and holder_pid is None:
         return None
     try:
-        return leases.take(run.ddir, version, name=name, pid=None if name else holder_pid).name
+        return leases.take(run.ddir, version, name=name, pid=None if name else holder_pid, renew=renew).name
     except OSError as e:  # a disk that filled after the copy: the version is whole and published, the lease not
         raise as_root_error(e) from e
 
