@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .errors import SourceAccessError, SourceError, SourceNotFoundError, StagingError, UsageError
 
@@ -174,11 +174,23 @@ def retry_call(fn: Callable[[], T], backoff: Backoff, *, transient: Callable[[Ex
                 pause = min(pause, max(left, 0.0))
             if on_retry is not None:
                 on_retry(exc, Attempt(number, limit, delay, pause, None))
-            if stop is not None:
-                stop.wait(pause)
-            else:
-                time.sleep(pause)
+            _pause(pause, stop)
             delay = min(delay * 2, backoff.max_delay)
+
+
+def _pause(seconds: float, stop: Any) -> None:
+    """Sleep ``seconds``, or less once ``stop`` is set: an event's ``wait``, else (a copy worker's stop flag, which
+    has only ``is_set``) a look every 50 ms."""
+    if stop is None:
+        time.sleep(seconds)
+        return
+    wait = getattr(stop, "wait", None)
+    if callable(wait):
+        wait(seconds)
+        return
+    end = time.monotonic() + seconds
+    while not stop.is_set() and (left := end - time.monotonic()) > 0:
+        time.sleep(min(left, 0.05))
 
 
 def call_with_retry(fn: Callable[[], T], where: str, policy: RetryPolicy = RetryPolicy(),

@@ -104,3 +104,28 @@ def test_reading_a_source_says_how_many_tries_it_took() -> None:
     with pytest.raises(SourceError, match=r"gave up after 3 attempts"):
         retry.call_with_retry(fn, "s3://b/k", retry.RetryPolicy(attempts=3, first_delay=0.0, max_delay=0.0))
     assert fn.calls == 3
+
+
+def test_a_pause_ends_early_on_a_stop_flag_that_has_no_wait() -> None:
+    """A copy worker's stop flag has only ``is_set`` (no ``wait``): the back-off still pauses, and ends at the stop."""
+
+    from stagingloader.retry import RetryPolicy, call_with_retry
+
+    class Flag:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def is_set(self) -> bool:
+            self.calls += 1
+            return self.calls > 3
+
+    tries = []
+
+    def flaky() -> int:
+        tries.append(1)
+        if len(tries) < 2:
+            raise ConnectionResetError(104, "reset")
+        return 7
+
+    assert call_with_retry(flaky, "x", RetryPolicy(), stop=Flag()) == 7  # type: ignore[arg-type]
+    assert len(tries) == 2
