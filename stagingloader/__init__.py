@@ -103,6 +103,8 @@ def stage(
     wait: bool = True,
     cache_limit: int | str | None = None,
     distributed: bool = False,
+    peers: bool = False,
+    peer_timeout: float = 120.0,
     options: StageOptions | None = None,
     callback: Any = None,
     on_event: Callable[[str], None] | None = None,
@@ -116,7 +118,9 @@ def stage(
     says what a stage would do.  ``callback`` is an fsspec-style progress callback (``set_size``/
     ``relative_update``, in bytes) and ``on_event`` gets one line per step.  With ``distributed=True`` (torchrun or
     srun), one process per node stages and the others wait; all return the same dataset (see
-    :mod:`stagingloader.staging.distributed`).
+    :mod:`stagingloader.staging.distributed`).  With ``peers=True`` (one call per node, under torchrun or srun)
+    the job's nodes stage together: each file is read from the source by one node and passed to the others over
+    a torch.distributed group of their own, checked on arrival; every node ends with the same verified version.
 
     With ``wait=False`` it returns as soon as the source is listed and the copy has started (in a stager process
     of its own, which copies in the order the loader reads): a streaming dataset that ``StagedFiles(ds)`` reads
@@ -133,7 +137,8 @@ def stage(
     opts = _options(src, options, root=root, storage_options=storage_options, endpoint_url=endpoint_url,
                     workers=workers, verify=verify, include=include, exclude=exclude, fsync=fsync,
                     max_ram_fraction=max_ram_fraction, lock_timeout=lock_timeout, shard=shard, lease=lease,
-                    wait=wait, cache_limit=cache_limit, distributed=distributed)
+                    wait=wait, cache_limit=cache_limit, distributed=distributed, peers=peers,
+                    peer_timeout=peer_timeout)
     src = os.fspath(src)
     env = dict(os.environ)
     if not opts.wait:
@@ -143,6 +148,11 @@ def stage(
             raise UsageError("callback reports a blocking stage's bytes; with wait=False follow ds.progress instead "
                              "(files and bytes done), or drop callback=")
         return stage_streaming(src, opts, holder_pid=os.getpid(), on_event=on_event)
+    if opts.peers:
+        from .peers.stage import stage_with_peers
+
+        return stage_with_peers(src, opts, env=env, timeout=opts.peer_timeout, callback=callback,
+                                on_event=on_event, holder_pid=os.getpid())
     if opts.distributed:
         from .staging.distributed import run_once_per_node
 
@@ -160,9 +170,9 @@ def dry_run(src: str | os.PathLike[str], root: str | os.PathLike[str] = "auto", 
     from .staging.stager import plan_stage
 
     opts = _options(src, options, root=root, **settings)
-    if not opts.wait or opts.cache_limit is not None or opts.distributed:
-        raise UsageError("a dry run lists and plans the source; wait=, cache_limit= and distributed= do not apply "
-                         "to it: drop them")
+    if not opts.wait or opts.cache_limit is not None or opts.distributed or opts.peers:
+        raise UsageError("a dry run lists and plans the source; wait=, cache_limit=, distributed= and peers= do not "
+                         "apply to it: drop them")
     return plan_stage(os.fspath(src), opts, env=dict(os.environ), on_event=on_event)
 
 

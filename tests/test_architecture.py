@@ -18,13 +18,14 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "stagingloader"
 #: the rooms that may import torch; ``dataloader`` is the one module above ``loader/`` and ``backends/`` that
 #: chooses between them (the public DataLoader), loaded on first use like them
-TORCH_ROOMS = ("loader", "backends", "checkpoints", "dataloader")
+TORCH_ROOMS = ("loader", "backends", "checkpoints", "dataloader", "peers")
 HEAVY = ("torch", "nvidia.dali", "kvikio")
 #: modules outside the torch rooms that may reach torch and the loader lazily, inside a function, and why
 LAZY_LOADER_USERS = {
     "stagingloader/__init__.py": "DataLoader, StagedFiles... are the package's public names, loaded on first use",
     "stagingloader/cli/demo.py": "the demo trains an epoch through the DataLoader",
     "stagingloader/cli/main.py": "the `ckpt` subcommand's parser lives with the checkpoints (it loads no torch)",
+    "stagingloader/cli/commands.py": "`stage --peers` runs the nodes' exchange (torch.distributed), loaded only then",
 }
 
 

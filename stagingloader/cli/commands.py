@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import stat
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -40,7 +41,9 @@ def cmd_stage(args: argparse.Namespace) -> Result:
                         exclude=tuple(args.exclude), fsync=args.fsync, max_ram_fraction=args.max_ram_fraction,
                         lock_timeout=args.lock_timeout, shard=_shard(args.shard, env),
                         lease=args.lease or leases.default_lease_name(env), storage_options=args.storage_options,
-                        wait=not no_wait or args.dry_run, cache_limit=None if args.dry_run else args.cache_limit)
+                        wait=not no_wait or args.dry_run, cache_limit=None if args.dry_run else args.cache_limit,
+                        peers=bool(getattr(args, "peers", False)) and not args.dry_run,
+                        peer_timeout=getattr(args, "peer_timeout", None) or 120.0)
     if args.dry_run:
         return _print_plan(args, plan_stage(args.src, opts, env=env))
     if no_wait:
@@ -48,8 +51,17 @@ def cmd_stage(args: argparse.Namespace) -> Result:
     progress = make_progress(args.quiet or args.json)
     try:
         # outside Slurm and without --lease, the lease lives as long as our caller (the job script), not us
-        result = run_stage(args.src, opts, env=env, callback=progress, on_file=progress.file_done,
-                           holder_pid=os.getppid(), renew_lease=True)  # one lease per caller and version
+        if opts.peers:
+            from ..peers.stage import stage_with_peers
+
+            # quiet or --json: warnings still reach stderr through logging, the other lines do not
+            say = None if args.quiet or args.json else (lambda text: print(text, file=sys.stderr, flush=True))
+            result = stage_with_peers(args.src, opts, env=env, timeout=opts.peer_timeout, callback=progress,
+                                      on_file=progress.file_done, on_event=say, holder_pid=os.getppid(),
+                                      renew_lease=True)
+        else:
+            result = run_stage(args.src, opts, env=env, callback=progress, on_file=progress.file_done,
+                               holder_pid=os.getppid(), renew_lease=True)  # one lease per caller and version
     finally:
         progress.close()
     return ExitCode.OK, _print_staged(args, result)

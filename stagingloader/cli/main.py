@@ -236,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lease", metavar="NAME",
                    help="a named lease, held until `stagingloader release` (default: slurm-job-$SLURM_JOB_ID in a "
                         "Slurm job, else a lease that lives as long as the shell or script that ran this command)")
+    s.add_argument("--peers", action="store_true",
+                   help="stage together with the job's other nodes (run once per node, under srun or torchrun): "
+                        "each file is read from SRC by one node and passed to the others, hashed on arrival; every "
+                        "node ends with the same verified copy (docs/peers.md)")
+    s.add_argument("--peer-timeout", type=_seconds, default=120.0, metavar="SECONDS",
+                   help="with --peers: how long to wait for the other nodes to join, and for a silent node before "
+                        "its share is read from SRC instead (default: 120)")
     s.add_argument("--no-wait", action="store_true",
                    help="return once the source is listed and print the dataset's folder; a detached stager copies "
                         "on in the order the training loop reads (StagedFiles and sl.stage(SRC, wait=False) read "
@@ -383,15 +390,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
-        return _run(argv)
+        code = _run(argv)
     except KeyboardInterrupt as e:
         code = ExitCode.TERMINATED if isinstance(e, Terminated) else ExitCode.INTERRUPTED
         how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
-        return _fail(argparse.Namespace(json="--json" in argv), f"{how}; run the same command again to resume",
+        code = _fail(argparse.Namespace(json="--json" in argv), f"{how}; run the same command again to resume",
                      code, "Interrupted")
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+    _leave_if_stuck(code)
+    return code
+
+
+def _leave_if_stuck(code: int) -> None:
+    """A --peers stage whose thread still waits in gloo on a stalled peer: exit now, without the interpreter's
+    finalisation (which would abort the process when that thread wakes)."""
+    channels = sys.modules.get("stagingloader.peers.channels")
+    if channels is not None and channels.stuck():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _run(argv: list[str]) -> int:

@@ -55,6 +55,8 @@ class StageReport:
     seconds: float = 0.0
     new_version: bool = False
     reasons: dict[str, int] = field(default_factory=dict)
+    #: with peers: this node's exchange (from_source_bytes, from_peers_bytes, sent_bytes, the nodes that left)
+    peers: dict[str, Any] | None = None
 
     @property
     def gbps(self) -> float:

@@ -71,6 +71,10 @@ class StageOptions:
     cache_limit: int | None = None
     #: one process per node stages (torchrun or srun ranks), the others wait and get the same dataset
     distributed: bool = False
+    #: the job's nodes stage together: each file is read from the source by one node and passed to the others
+    peers: bool = False
+    #: with peers: how long to wait for the other nodes to join, and for a silent peer before it is out
+    peer_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude"):  # one pattern given as a string is one pattern, not its characters
@@ -117,6 +121,20 @@ class StageOptions:
             raise UsageError(f"cache_limit must be a number of bytes > 0 (or a size such as '16G'), not {limit!r}")
         if limit is not None and self.wait:
             raise UsageError("cache_limit needs wait=False: a dataset kept under a limit is only ever streamed")
+        if not isinstance(self.peers, bool):
+            raise UsageError(f"peers must be True or False, not {self.peers!r}")
+        if (not isinstance(self.peer_timeout, (int, float)) or isinstance(self.peer_timeout, bool)
+                or math.isnan(self.peer_timeout) or self.peer_timeout <= 0):
+            raise UsageError(f"peer_timeout must be a number of seconds > 0, not {self.peer_timeout!r}")
+        if self.peers and not self.wait:
+            raise UsageError("peers=True blocks until every node has the dataset; streaming with peers "
+                             "(wait=False) is not built yet: drop one of them")
+        if self.peers and self.distributed:
+            raise UsageError("peers=True already stages once per node (local rank 0 of each node takes part, the "
+                             "other ranks wait for it): drop distributed=True")
+        if self.peers and self.shard is not None:
+            raise UsageError("peers=True gives every node the whole dataset, read from the source once; a shard "
+                             "gives each node a part: drop one of them")
         if self.distributed and not self.wait:
             raise UsageError("distributed=True blocks until each node's stage is published; with wait=False every "
                              "rank calls stage() itself (the first streams, the others read along): drop "
@@ -173,8 +191,9 @@ def plan_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = 
 
 def open_run(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = None,
              on_event: Callable[[str], None] | None = None, verb: str = "staging", early_scan: bool = False,
-             dry_run: bool = False) -> tuple[StageRun, str]:
+             dry_run: bool = False, listing: Listing | None = None) -> tuple[StageRun, str]:
     """List the source (this node's shard) and pick the root: what a run works on, and the source's identity.
+    ``listing``: the source's listing as another node made it (peers), used instead of listing again.
     ``opts.cache_limit``: the bytes the run may keep on the tier (a streaming run), which is what ``auto`` must find.
     ``early_scan``: scan a large published copy of the dataset in another process meanwhile (for the fast check).
     ``dry_run``: find the root without creating it.
@@ -187,7 +206,8 @@ def open_run(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = No
     key = dataset_key(identity)
     early = _scan_published_early(opts, key, env) if early_scan and not dry_run else None
     try:
-        listing = Listing.of(take_shard(source.listing(opts.include, opts.exclude), opts.shard))
+        if listing is None:
+            listing = Listing.of(take_shard(source.listing(opts.include, opts.exclude), opts.shard))
     except BaseException:
         if early is not None:
             early.close()

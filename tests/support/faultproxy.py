@@ -108,6 +108,7 @@ class FaultProxy:
         self.seed = seed
         self.link = Bandwidth(bytes_per_s)  #: None: as fast as loopback
         self.requests = 0
+        self.response_bytes = 0  #: body bytes the target delivered through the proxy (what a source served)
         self.actions: Counter[str] = Counter()  # forward/error/drop_before/drop_mid/forced
         self._seen: dict[tuple[str, str], int] = {}
         self.handler_errors: list[str] = []  # exceptions in handler threads (client went away...)
@@ -375,6 +376,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 data = data[: budget - sent]
             if data:
                 self.owner.link.take(len(data))
+                with self.owner._lock:
+                    self.owner.response_bytes += len(data)
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
                 sent += len(data)
             if truncate and (budget < 0 or sent >= budget):

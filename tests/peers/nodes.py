@@ -1,0 +1,108 @@
+"""Emulated nodes: one ``stagingloader stage --peers`` process per node, each with a root of its own, meeting over
+loopback from torchrun's variables, as a job's nodes meet over their network."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: a node whose sends are rewritten: it runs the real command with ``Channels._send_file`` patched
+EVIL = """
+import sys
+from stagingloader.peers import channels
+
+real = channels.Channels._send_file
+def corrupt(self, p, tensor, buf, path, size):
+    if size:  # one byte of every file it sends is flipped before it goes out
+        orig = channels.os.preadv
+        def flipped(fd, views, at):
+            n = orig(fd, views, at)
+            if at == 0 and n:
+                views[0][0] ^= 0xFF
+            return n
+        channels.os.preadv = flipped
+        try:
+            return real(self, p, tensor, buf, path, size)
+        finally:
+            channels.os.preadv = orig
+    return real(self, p, tensor, buf, path, size)
+channels.Channels._send_file = corrupt
+from stagingloader.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@dataclass
+class Node:
+    rank: int
+    root: Path
+    proc: subprocess.Popen[str]
+    out: str = ""
+    err: str = ""
+
+    @property
+    def result(self) -> dict[str, Any]:
+        assert self.proc.returncode == 0, (self.rank, self.proc.returncode, self.err[-3000:])
+        assert "Traceback" not in self.err, self.err[-3000:]
+        return dict(json.loads(self.out))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(src: str, roots: Sequence[Path], *, args: Sequence[str] = (), timeout: float = 20.0,
+          env: dict[str, str] | None = None, evil: Sequence[int] = (), keys: dict[int, str] | None = None,
+          world: int | None = None) -> list[Node]:
+    """Start one node per root (``world`` may say more nodes than are started: the others never come)."""
+    port = free_port()
+    nodes = []
+    for rank, root in enumerate(roots):
+        node_env = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    "RANK": str(rank), "WORLD_SIZE": str(world or len(roots)),
+                    "STAGINGLOADER_PEER_KEY": (keys or {}).get(rank, "the job's own secret"),
+                    "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_JOB_ID", "SLURM_PROCID"):
+            node_env.pop(name, None)
+        cmd = ["stage", src, "--peers", "--root", str(root), "--json", "--peer-timeout", str(timeout), *args]
+        head = [sys.executable, "-c", EVIL] if rank in evil else [sys.executable, "-m", "stagingloader"]
+        proc = subprocess.Popen([*head, *cmd], env=node_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        nodes.append(Node(rank, root, proc))
+    return nodes
+
+
+def finish(nodes: Sequence[Node], timeout: float = 240) -> list[Node]:
+    deadline = time.monotonic() + timeout
+    for n in nodes:
+        n.out, n.err = n.proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    return nodes
+
+
+def run(src: str, roots: Sequence[Path], **kwargs: Any) -> list[dict[str, Any]]:
+    return [n.result for n in finish(start(src, roots, **kwargs))]
+
+
+def kill_when(node: Node, ready: Callable[[], bool], timeout: float = 120) -> bool:
+    """SIGKILL ``node`` once ``ready()`` holds (False if it ended first)."""
+    deadline = time.monotonic() + timeout
+    while node.proc.poll() is None and time.monotonic() < deadline:
+        if ready():
+            node.proc.kill()
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def files_in_incoming(root: Path) -> int:
+    return sum(len(files) for _d, _s, files in os.walk(root) if "/incoming/data" in _d)
