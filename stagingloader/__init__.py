@@ -62,22 +62,34 @@ def __getattr__(name: str) -> Any:
         value = globals()[name] = getattr(importlib.import_module(_LAZY_FROM[name], __name__), name)
         return value
     if name in _LAZY:
-        if name == "Checkpoints":
-            from .checkpoints import Checkpoints
-
-            return Checkpoints
-        if name == "diagnose":
-            from .loader.diagnosis import diagnose
-
-            return diagnose
-        if name == "DataLoader":
-            from .dataloader import DataLoader
-
-            return DataLoader
-        from . import loader
-
-        return getattr(loader, name)
+        try:
+            return _load_lazy(name)
+        except ModuleNotFoundError as e:
+            if e.name not in ("torch", "torchdata"):
+                raise
+            raise MissingDependencyError(
+                f"stagingloader.{name} needs {e.name}, which is not installed (a core install has no torch): "
+                "pip install '.[torch]' in stagingloader's checkout (pin torch==X.Y.Z beside it for a CPU or CUDA "
+                "build)") from e
     raise AttributeError(f"module 'stagingloader' has no attribute {name!r}")
+
+
+def _load_lazy(name: str) -> Any:
+    if name == "Checkpoints":
+        from .checkpoints import Checkpoints
+
+        return Checkpoints
+    if name == "diagnose":
+        from .loader.diagnosis import diagnose
+
+        return diagnose
+    if name == "DataLoader":
+        from .dataloader import DataLoader
+
+        return DataLoader
+    from . import loader
+
+    return getattr(loader, name)
 
 
 def __dir__() -> list[str]:

@@ -82,11 +82,12 @@ def _stage_no_wait(args: argparse.Namespace, opts: StageOptions) -> Result:
         limit = ds.stream.cache_limit
         how = (f"under a cache limit of {human_bytes(limit)}: never published complete" if limit is not None
                else f"{ds.version} is published when complete (stagingloader ls; sl.stage(SRC, wait=False).wait())")
-        _out(args, f"streaming {ds.source}: {plural(len(ds.files), 'file')}, {human_bytes(ds.total_bytes)}, {how}\n"
-                   f"  lease: {ds.lease}\n{ds.dataset_dir}")
+        text = (f"streaming {ds.source}: {plural(len(ds.files), 'file')}, {human_bytes(ds.total_bytes)}, {how}\n"
+                f"  lease: {ds.lease}\n{ds.dataset_dir}")
     else:
-        _out(args, f"already staged and verified: {ds.source}, version {ds.version}\n  lease: {ds.lease}\n"
-                   f"{ds.dataset_dir}")
+        text = f"already staged and verified: {ds.source}, version {ds.version}\n  lease: {ds.lease}\n{ds.dataset_dir}"
+    # -q: the folder alone, as the help promises, so that DATA=$(stagingloader stage SRC --no-wait -q) captures it
+    _out(args, str(ds.dataset_dir) if args.quiet else text)
     return ExitCode.OK, out
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from ..cache import leases
 from ..cache.layout import DatasetDir
 from ..cache.locking import DatasetLock
-from ..errors import ExitCode
+from ..errors import ExitCode, MissingDependencyError
 from ..staging.result import StagedDataset
 from ..staging.stager import StageOptions, run_stage
 from ..staging.verify import verify
@@ -92,7 +92,15 @@ def decode_jpeg(data: bytes) -> Any:
     return torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0).permute(2, 0, 1)
 
 
+DEMO_INSTALL = "pip install '.[demo]' in stagingloader's checkout (torch, torchdata and Pillow)"
+
+
 def run_demo(args: argparse.Namespace) -> tuple[int, Any]:
+    try:
+        import PIL  # noqa: F401  (it draws the sample dataset)
+    except ImportError:
+        raise MissingDependencyError("stagingloader demo draws its sample JPEGs with Pillow, which is not "
+                                     f"installed: {DEMO_INSTALL}") from None
     work = Path(args.workdir).absolute()
     source = work / "shared-storage"
     say = (lambda text: None) if args.json else print
@@ -134,7 +142,7 @@ def _train(ds: StagedDataset, say: Any, *, epochs: int) -> dict[str, Any] | None
         import torch
         from torch import nn
     except ImportError:
-        say("5/6 skipped training: torch is not installed (pip install '.[demo]' from the checkout)")
+        say(f"5/6 skipped training: torch is not installed ({DEMO_INSTALL})")
         return None
     from ..dataloader import DataLoader
     from ..loader import StagedFiles

@@ -35,7 +35,16 @@ import torch.utils.data as tud
 
 from .collate import TimedCollate
 from .context import LoaderContext, WorkerInit
-from .epoch import BatchSampler, RandomSampler, ReadAhead, StateEncoder, check_workers, decode_state, node_sampler
+from .epoch import (
+    BatchSampler,
+    RandomSampler,
+    ReadAhead,
+    StateEncoder,
+    check_workers,
+    decode_state,
+    node_sampler,
+    restoring,
+)
 from .epoch import pass_epoch as pass_epoch
 from .iterator import LoaderIter, note_oom
 from .orders import OrderPublisher
@@ -46,7 +55,9 @@ from .torchdata_compat import (
     T_co,
     current_iterator,
     forget_iterator,
+    iterator_finished,
     iterator_made_for_state,
+    pending_state,
     sampler_iterator,
     shutdown_workers,
 )
@@ -178,13 +189,28 @@ class TorchDataLoader(StatefulLoader[T_co]):
             self.batch_sampler.readahead = ReadAhead(self._hinter.submit, self.readahead)
         self._live: weakref.ref[LoaderIter] | None = None
         self._encoder = StateEncoder()
+        #: the generator's state once this epoch drew its workers' seed (a state carries it: see :meth:`_restored`)
+        self._epoch_generator: torch.Tensor | None = None
         #: over a stage that still streams: tells the stager this rank's order at each epoch start
         self.orders: OrderPublisher | None = OrderPublisher(dataset) if OrderPublisher.wanted(dataset) else None
 
     # ---- torch's hooks ---------------------------------------------------------------------------
     def build_iterator(self, make: Callable[[], Any]) -> Any:
         """Each new set of workers gets its own slot pool and context (old workers may still be finishing), and a
-        collate that counts: the workers started now keep it, so each batch carries the samples fetched for it."""
+        collate that counts: the workers started now keep it, so each batch carries the samples fetched for it.
+        An iterator that starts from a loaded state is checked against this loader first (where torchdata asserts
+        the same, before anything is read), and made by :meth:`_restored`."""
+        loaded = pending_state(self)
+        if loaded is not None:
+            check_workers(loaded, self.num_workers)
+        if loaded is not None:
+            return self._prepared(lambda: self._restored(make))
+        it = self._prepared(make)
+        self._epoch_generator = self._generator_state()
+        return it
+
+    def _prepared(self, make: Callable[[], Any]) -> Any:
+        """``make()`` with the new workers' slot pool, context and counting collate set up around it."""
         init = self.worker_init_fn
         if self.num_workers > 0 and isinstance(init, WorkerInit):
             self.pool = SlotPool(self.num_workers, (self.prefetch_factor or 2) + 2) if self._slots else None
@@ -211,9 +237,7 @@ class TorchDataLoader(StatefulLoader[T_co]):
     def __iter__(self) -> LoaderIter:  # type: ignore[override]
         if self._auto_persistent and self.persistent_workers and current_iterator(self) is not None and \
                 not iterator_made_for_state(self):
-            # persistent workers were our choice; torch's default (none) draws a worker base seed per
-            # epoch: draw it here too, so the samplers see the same random stream and order as torch's
-            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            self._draw_epoch_seed()
         prev = self._live() if self._live is not None else None
         if prev is not None:
             prev.close()  # a new iter() ends the previous one: it stops taking batches from torch's iterator
@@ -231,10 +255,49 @@ class TorchDataLoader(StatefulLoader[T_co]):
         finally:
             if token is not None:
                 restore(token)
+        self._epoch_generator = self._generator_state()
         if self.orders is not None:
             self._publish_order(inner)
         it = LoaderIter(self, inner, self._main_ctx)
         self._live = weakref.ref(it)
+        return it
+
+    def _draw_epoch_seed(self) -> None:
+        """Persistent workers were stagingloader's choice; torch's default (none) draws a worker base seed at each
+        new epoch: draw it too, so the samplers see the same random stream and order as torch's."""
+        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+
+    def _generator_state(self) -> torch.Tensor | None:
+        return self.generator.get_state() if isinstance(self.generator, torch.Generator) else None
+
+    def _restored(self, make: Callable[[], Any]) -> Any:
+        """The iterator of a loaded state.  Its epoch drew its seeds before the state was taken: the workers' seed
+        is in torchdata's part of the state, the sampler's in the sampler's, the loader generator's state (as that
+        epoch's draw left it) in stagingloader's.  Making it draws none again, though torch's iterator draws a
+        workers' seed and a fresh sampler iterator its order before the state replaces both: neither torch's global
+        RNG (it belongs to the training, which a checkpoint puts back) nor the generator moves past where that
+        epoch left it, so every later draw is the one the uninterrupted run makes.  A state taken after its epoch
+        ended also runs its sampler out, as it ran out in the run that saved it (torch's RandomSampler draws once
+        more as it ends), and, where stagingloader chose persistent workers, makes the seed draw torch makes at the
+        next epoch."""
+        gen = self.generator
+        # a state without the generator's (torchdata's own) leaves the generator as torchdata's loader leaves it
+        known = not isinstance(gen, torch.Generator) or self._epoch_generator is not None
+        if isinstance(gen, torch.Generator) and self._epoch_generator is not None:
+            gen.set_state(self._epoch_generator)
+        if known:
+            self.generator = torch.Generator()  # what the new iterator draws its unused workers' seed from
+        try:
+            with restoring():
+                it = make()
+        finally:
+            self.generator = gen
+        if iterator_finished(it):
+            if not isinstance(self.dataset, tud.IterableDataset):  # (an iterable dataset's sampler never ends)
+                for _ in sampler_iterator(it) or ():
+                    pass
+            if self._auto_persistent and self.persistent_workers:
+                self._draw_epoch_seed()
         return it
 
     def _publish_order(self, inner: Any) -> None:
@@ -254,6 +317,8 @@ class TorchDataLoader(StatefulLoader[T_co]):
         """torchdata's state of the loader as the loop sees it (batches yielded so far), as JSON-safe values."""
         out: dict[str, Any] = self._encoder.encode(self.torch_state_dict())
         out[STATE_KEY] = {"epoch": self.epoch}
+        if self._epoch_generator is not None:
+            out[STATE_KEY]["generator"] = self._encoder.encode(self._epoch_generator)
         return out
 
     def torch_state_dict(self) -> dict[str, Any]:
@@ -266,12 +331,17 @@ class TorchDataLoader(StatefulLoader[T_co]):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Make the next ``iter(loader)`` continue where the state was taken (torchdata's states load too)."""
         state = decode_state({k: v for k, v in state_dict.items() if k != STATE_KEY})
-        if state:
-            check_workers(state, self.num_workers)
-        own = state_dict.get(STATE_KEY)
-        if isinstance(own, dict) and "epoch" in own:
-            self.epoch = int(own["epoch"])
+        prev = self._live() if self._live is not None else None
+        if prev is not None:
+            prev.close()  # the iterator running now stops reading: the loaded state drives the generator from here
         self._live = None
+        own = state_dict.get(STATE_KEY)
+        own = own if isinstance(own, dict) else {}
+        if "epoch" in own:
+            self.epoch = int(own["epoch"])
+        generator = own.get("generator")
+        self._epoch_generator = decode_state(generator) if generator is not None else None
+        # a state saved with another number of workers is refused at the next iter(), as torchdata refuses it
         super().load_state_dict(state)
 
     # ---- extras ----------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ import base64
 import itertools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,20 @@ from ..errors import UsageError
 from .torchdata_compat import NUM_YIELDED, SNAPSHOT, saved_num_workers, tensor_version
 
 TENSOR_TAG = "__tensor__"
+#: True while a loader makes the iterator of a loaded state (:func:`restoring`)
+_RESTORING: ContextVar[bool] = ContextVar("stagingloader_restoring", default=False)
+
+
+@contextmanager
+def restoring() -> Iterator[None]:
+    """While a loaded state's iterator is made: torchdata first takes the state of a fresh sampler iterator, then
+    replaces it with the loaded one; that fresh iterator's state then draws no epoch seed (from torch's global RNG,
+    which the training owns) for an order nobody reads."""
+    token = _RESTORING.set(True)
+    try:
+        yield
+    finally:
+        _RESTORING.reset(token)
 
 
 class StateMismatchError(UsageError, AssertionError):
@@ -142,6 +158,8 @@ class _RandomIter:
 
     def state_dict(self) -> dict[str, Any]:
         if self._gen is None:
+            if _RESTORING.get():
+                return {"yielded": 0, "generator": None}  # replaced by the loaded state at once (:func:`restoring`)
             self._begin()  # the order is fixed now, as it would be at the first index
         return {"yielded": self.yielded, "generator": self._start}
 

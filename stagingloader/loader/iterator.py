@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import UsageError
 from .collate import Counted, TimedCollate
 from .context import LoaderContext, restore, use
 from .slots import SlotBatch, pool_of
@@ -36,6 +37,8 @@ log = logging.getLogger("stagingloader.loader")
 
 Pulled = tuple[Any, int | None]  #: a batch taken from torch's iterator, and the samples fetched for it (None: not told)
 WORKER_DEATH = ("is killed by signal", "exited unexpectedly")  #: how torch reports a worker that died
+STOPPED = ("this DataLoader iterator was stopped (a later iter(loader) or loader.load_state_dict() replaced it, or "
+           "one of its workers died): take the batches from a new iter(loader)")
 OOM_HINT = ("SIGKILL is what the kernel's OOM killer sends: check `dmesg`, then lower num_workers, batch_size "
             "or prefetch_factor")
 
@@ -90,7 +93,13 @@ class _Receiver:
                 return
 
     def get(self) -> tuple[str, Any, Any]:
-        return self.queue.get()
+        """The next item; a receiver that was stopped has none to come, and says so instead of waiting forever."""
+        while True:
+            try:
+                return self.queue.get(timeout=0.1)
+            except queue.Empty:
+                if self.stop.is_set():
+                    raise UsageError(STOPPED) from None
 
     def close(self, wait: float = 30.0) -> None:
         """Stop, and wait for the batch being taken now (so nothing else touches torch's iterator after)."""

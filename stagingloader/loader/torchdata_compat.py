@@ -108,6 +108,12 @@ def forget_iterator(loader: Any) -> None:
     loader._iterator = None
 
 
+def pending_state(loader: Any) -> Mapping[str, Any] | None:
+    """The state ``load_state_dict()`` left for the loader's next iterator to start from, or None."""
+    state = getattr(loader, "next_iter_state", None)
+    return state if isinstance(state, Mapping) else None
+
+
 def iterator_made_for_state(loader: Any) -> bool:
     """The loader's iterator was made by ``state_dict()``/``load_state_dict()``, and the next ``iter()`` takes it
     as it is (it starts no new epoch)."""
@@ -118,6 +124,11 @@ def iterator_made_for_state(loader: Any) -> bool:
 def sampler_iterator(it: Any) -> Any:
     """The iterator over the batch sampler (or sampler) that this epoch's indices come from, or None."""
     return getattr(it, "_sampler_iter", None)
+
+
+def iterator_finished(it: Any) -> bool:
+    """The iterator has ended its epoch (it raised StopIteration, or was restored from a state taken after that)."""
+    return bool(getattr(it, "_finished", False))
 
 
 def batches_yielded(it: Any) -> int:

@@ -123,3 +123,18 @@ def test_the_readme_install_lines_can_be_followed_as_written() -> None:
     readme = (REPO / "README.md").read_text()
     assert "OWNER" not in readme and "github.com/OWNER" not in readme
     assert "pip install ." in readme
+
+
+def test_stage_no_wait_quiet_prints_the_dataset_folder_alone(tmp_path: Path, root: Path) -> None:
+    """``DATA=$(stagingloader stage SRC --no-wait -q)`` captures the folder that StagedFiles reads, nothing else."""
+    from stagingloader import StagedFiles
+
+    src = make_tree(tmp_path / "src", {f"c/{i}.bin": 1000 for i in range(5)})
+    for _ in range(2):  # while it streams, then once it is staged
+        proc = run_cli("stage", str(src), "--root", str(root), "--no-wait", "-q", "--lease", "quiet")
+        try:
+            assert proc.returncode == 0, proc.stderr
+            assert len(proc.stdout.splitlines()) == 1, proc.stdout
+            assert len(StagedFiles(proc.stdout.strip())) == 5
+        finally:
+            assert run_cli("release", str(src), "--root", str(root), "--lease", "quiet").returncode == 0

@@ -186,3 +186,46 @@ def test_continued_blocks_share_names_and_folder(tmp_path: Path, world: World) -
     blocks = extract(doc)
     assert [b.marker for b in blocks] == ["", "continues", "continues"]
     run_chain(chain(blocks[2], blocks), world)
+
+
+DECODERS = [b for b in RUN if b.lang == "python" and "def decode(" in b.code]  # (DALI's run on the GPU)
+
+
+@pytest.mark.parametrize("block", DECODERS, ids=[b.name for b in DECODERS])
+def test_a_decode_example_is_clean(block: Block, tmp_path: Path) -> None:
+    """The docs' ``decode=`` functions turn a JPEG into a tensor without a warning (torch warns, once per process,
+    about a tensor made from a read-only numpy array: a fresh interpreter sees it)."""
+    import ast
+
+    tree = ast.parse(block.code)
+    parts = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) and
+             not any(a.name.startswith("stagingloader") for a in n.names) and
+             not (isinstance(n, ast.ImportFrom) and (n.module or "").startswith("stagingloader"))]
+    parts += [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "decode"]
+    script = tmp_path / "decode_check.py"
+    script.write_text("\n".join(ast.unparse(n) for n in parts) + "\n"
+                      "from PIL import Image as _Image\n"
+                      "_buf = io.BytesIO()\n"
+                      "_Image.new('RGB', (300, 200), (10, 20, 30)).save(_buf, format='JPEG')\n"
+                      "_out = decode(_buf.getvalue())\n"
+                      "assert tuple(_out.shape) == (3, 224, 224), _out.shape\n"
+                      "_out[0, 0, 0] = 1  # a tensor of its own, writable\n")
+    proc = subprocess.run([sys.executable, "-W", "error", str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "not writable" not in proc.stderr
+
+
+PILLOW = [b for b in RUN if b.lang == "python" and re.search(r"^\s*(from PIL import|import PIL)", b.code, re.M)]
+
+
+@pytest.mark.parametrize("block", PILLOW, ids=[b.name for b in PILLOW])
+def test_an_example_that_needs_pillow_says_to_install_it(block: Block) -> None:
+    """``pip install '.[torch]'`` brings no Pillow: an example that imports it says, just before, what to add,
+    unless the extra it is written for brings it."""
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    if any(d.lower().startswith("pillow") for d in extras["torch"]):
+        return
+    before = block.doc.read_text().splitlines()[max(0, block.line - 12):block.line - 1]
+    assert any("pip install pillow" in line for line in before), \
+        f"{block.name} imports PIL: say before it that `.[torch]` does not bring it (`pip install pillow`)"

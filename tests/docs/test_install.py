@@ -1,5 +1,6 @@
 """The README's install line, as a new user runs it: a fresh venv, ``pip install .`` (the core: no torch), and the
-command line stages, verifies, lists and releases a folder."""
+command line stages, verifies, lists and releases a folder; ``sl.DataLoader`` and ``stagingloader demo``, which need
+an extra, name it in one error."""
 
 from __future__ import annotations
 
@@ -65,3 +66,16 @@ def test_pip_install_dot_gives_a_cli_that_stages_without_torch(tmp_path: Path) -
     where = subprocess.run([str(venv / "bin/python"), "-c", "import stagingloader; print(stagingloader.__file__)"],
                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
     assert where.stdout.strip().startswith(str(venv)), where
+
+    # what needs an extra says which one, as one error, not a ModuleNotFoundError from deep inside
+    loader = subprocess.run([str(venv / "bin/python"), "-c", "import stagingloader as sl\ntry:\n    sl.DataLoader\n"
+                             "except ImportError as e:\n    print(type(e).__name__, e)\n"],
+                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert loader.returncode == 0, loader.stderr
+    assert loader.stdout.startswith("MissingDependencyError ") and "pip install '.[torch]'" in loader.stdout, \
+        loader.stdout
+    demo = subprocess.run([cli, "demo", "--workdir", str(tmp_path / "demo"), "--root", str(root)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert demo.returncode == 2, (demo.returncode, demo.stdout, demo.stderr)
+    assert "Traceback" not in demo.stderr and "pip install '.[demo]'" in demo.stderr, demo.stderr
+    assert len([line for line in demo.stderr.splitlines() if "error" in line]) == 1, demo.stderr
