@@ -20,22 +20,17 @@ import contextlib
 import json
 import os
 import pwd
-import re
 import socket
 import stat
 from collections.abc import Mapping
 
-_REQUEST = re.compile(r"(^|;)\s*stage(-spec)?\s*=")
+from .request import is_request
+
 #: the folders the CLI's ``--root auto`` may pick on a node, each with ``stagingloader-<user>`` in it (see
 #: :func:`..cache.capacity.auto_candidates`; $TMPDIR and $SLURM_TMPDIR are the job's and found in its registry)
 AUTO_PARENTS = ("/dev/shm", "/local_scratch", "/scratch_local", "/lscratch", "/local/scratch", "/mnt/local_scratch",
                 "/tmp")
 MAX_REGISTRY_BYTES = 64 * 1024
-
-
-def is_request(comment: str | None) -> bool:
-    """Does this job comment ask stagingloader for anything?"""
-    return bool(comment) and bool(_REQUEST.search(comment or ""))
 
 
 def _real_dir(path: str, uid: int | None = None) -> bool:

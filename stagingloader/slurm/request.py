@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UsageError
-from .quick import is_request as is_request  # the rule lives with the hooks' first look
 
 ROOTS = ("auto", "tmpfs", "nvme")
 MAX_REQUESTS = 8
@@ -70,6 +69,11 @@ def make_request(src: str, *, root: str = "auto", name: str | None = None, shard
             raise UsageError(f"wait={wait!r}: use wait=no (train while it stages) or wait=yes (the default)")
         wait = wait.strip().lower() == "yes"
     return StageRequest(src=_check_src(src), root=root, name=name, shard=shard, wait=wait)
+
+
+def is_request(comment: str | None) -> bool:
+    """Does this comment ask stagingloader for anything?"""
+    return bool(comment) and bool(re.search(r"(^|;)\s*stage(-spec)?\s*=", comment or ""))
 
 
 def parse_comment(comment: str) -> tuple[list[StageRequest], str | None]:
