@@ -163,7 +163,12 @@ def cmd_verify(args: argparse.Namespace) -> Result:
 
 def cmd_ls(args: argparse.Namespace) -> Result:
     _given_root(args)
-    infos = housekeeping.list_datasets(args.root, dict(os.environ))
+    owner = _owner(args.root)
+    if owner is not None:  # root on a user's folder: listed as her (what she has, nothing root would trust less)
+        answer = _as_owner({"op": "ls", "root": str(Path(args.root).expanduser().absolute())}, owner)
+        infos = [housekeeping.DatasetInfo(**d) for d in answer["datasets"]]
+    else:
+        infos = housekeeping.list_datasets(args.root, dict(os.environ))
     streams = {i.path: _stream_state(Path(i.path)) for i in infos}
     if not args.json:
         if not infos:
@@ -214,12 +219,48 @@ def _stream_state(ddir: Path) -> str:
     return f"streaming {done} (stager pid {s.pid}, publishes {s.version} when complete){limit}"
 
 
+def _owner(root: str) -> Any:
+    """Root given ``--root DIR`` of another user's: that user (a :class:`..slurm.identity.JobUser`), for ls and gc
+    to run as her, so that what root sees and removes is what she has; else None."""
+    if os.geteuid() != 0 or root in (None, "auto"):
+        return None
+    st = trust.lstat(Path(root).expanduser())
+    if st is None or not stat.S_ISDIR(st.st_mode) or st.st_uid == 0:
+        return None
+    import pwd
+
+    from ..slurm.identity import JobUser
+
+    try:
+        pw = pwd.getpwuid(st.st_uid)
+    except KeyError:
+        return JobUser(st.st_uid, st.st_gid, str(st.st_uid))
+    return JobUser(pw.pw_uid, pw.pw_gid, pw.pw_name, pw.pw_dir)
+
+
+def _as_owner(op: dict[str, Any], user: Any) -> dict[str, Any]:
+    from ..errors import StagingError
+    from ..slurm.identity import run_worker
+
+    answer = run_worker(op, user)
+    if not answer.get("ok"):
+        raise StagingError(f"{op['op']} as {user.name}, the owner of {op['root']}, failed: {answer.get('message')}")
+    return answer
+
+
 def cmd_gc(args: argparse.Namespace) -> Result:
     _given_root(args)
-    result = housekeeping.gc(args.root, args.keep_bytes, dict(os.environ), dry_run=args.dry_run)
+    owner = _owner(args.root)
+    if owner is not None:  # root on a user's folder: as her (root never acts on a folder a user controls)
+        result = _as_owner({"op": "gc", "root": str(Path(args.root).expanduser().absolute()),
+                            "keep_bytes": args.keep_bytes, "dry_run": args.dry_run}, owner)
+        result.pop("ok", None)
+    else:
+        result = housekeeping.gc(args.root, args.keep_bytes, dict(os.environ), dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"gc looked in {plural(len(result['roots']), 'root')}: {', '.join(result['roots']) or 'none'}"
-             + ("" if args.root != "auto" else " (every root you staged into on this node; --root DIR for one)")]
+             + ("" if args.root != "auto" else " (every root you staged into on this node; --root DIR for one)")
+             + ("" if owner is None else f", as {owner.name} (its owner)")]
     if result["stale_leases_dropped"]:
         lines.append(f"dropped {plural(result['stale_leases_dropped'], 'stale lease')} (their holders had ended)")
     lines.append(f"{verb} {len(result['removed_paths'])}" + (":" if result["removed_paths"] else ": nothing"))

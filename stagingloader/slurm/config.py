@@ -25,7 +25,6 @@ from typing import Any
 
 from ..errors import CacheError, UsageError
 from ..units import parse_bytes
-from . import rootsafe
 from .request import toml_module
 
 DEFAULT_CONFIG = "/etc/stagingloader/config.toml"
@@ -60,44 +59,94 @@ class SiteConfig:
         return src.rstrip("/") in {s.rstrip("/") for s in self.shared}
 
 
+KEYS = ("roots", "shared", "log_dir", "state_dir", "budget_seconds", "keep_bytes", "max_ram_fraction")
+
+
+def where(env: Mapping[str, str]) -> str:
+    """The site config's path: ``$STAGINGLOADER_CONFIG``, else the default."""
+    return env.get("STAGINGLOADER_CONFIG") or DEFAULT_CONFIG
+
+
 def load(env: Mapping[str, str]) -> SiteConfig:
-    """The site config named by ``$STAGINGLOADER_CONFIG`` (else the default path; absent: defaults)."""
-    where = env.get("STAGINGLOADER_CONFIG") or DEFAULT_CONFIG
-    data: dict[str, Any] = {}
-    if os.path.exists(where):
-        if os.geteuid() == 0:  # what the root hooks do is decided here: a file a user could change decides nothing
-            try:
-                rootsafe.check_trusted_file(Path(where))
-            except (CacheError, OSError) as e:
-                raise UsageError(f"site config {where}: {e}") from None
-        tomllib = toml_module()
+    """The site config named by ``$STAGINGLOADER_CONFIG`` (else the default path; absent: defaults).
+
+    Raises :class:`UsageError` naming the file and the fault (an unknown key, a bad value, a file a user could
+    change)."""
+    path = where(env)
+    if os.path.exists(path) and os.geteuid() == 0:
+        # what the root hooks do is decided here: a file a user could change decides nothing
+        from . import rootsafe
+
         try:
-            with open(where, "rb") as f:
-                data = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise UsageError(f"site config {where}: {e}") from None
-    unknown = set(data) - {"roots", "shared", "log_dir", "state_dir", "budget_seconds", "keep_bytes",
-                           "max_ram_fraction"}
+            rootsafe.check_trusted_file(Path(path))
+        except (CacheError, OSError) as e:
+            raise UsageError(f"site config {path}: {e}") from None
+    return parse(read(path), path, env)
+
+
+def peek(env: Mapping[str, str]) -> SiteConfig | None:
+    """The site config without the owner checks, or None if it cannot be read or parsed: for the hooks' first look
+    (:mod:`.quick`), which only looks for files; anything they act on comes from :func:`load`."""
+    try:
+        return parse(read(where(env)), where(env), env)
+    except (UsageError, ValueError, TypeError):
+        return None
+
+
+def read(path: str) -> dict[str, Any]:
+    """The TOML tables of the file at ``path`` ({} when there is none)."""
+    if not os.path.exists(path):
+        return {}
+    tomllib = toml_module()
+    try:
+        with open(path, "rb") as f:
+            data: dict[str, Any] = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise UsageError(f"site config {path}: {e}") from None
+    return data
+
+
+def parse(data: Mapping[str, Any], path: str, env: Mapping[str, str]) -> SiteConfig:
+    """A :class:`SiteConfig` from the file's tables; :class:`UsageError` names an unknown key or a bad value."""
+    unknown = set(data) - set(KEYS)
     if unknown:
-        raise UsageError(f"site config {where}: unknown key(s) {sorted(unknown)}")
+        raise UsageError(f"site config {path}: unknown key(s) {sorted(unknown)}; the keys are {', '.join(KEYS)}")
     kw: dict[str, Any] = {}
-    if "roots" in data:
-        roots = data["roots"]
-        if not isinstance(roots, dict) or set(roots) - {"tmpfs", "nvme"} or not roots:
-            raise UsageError(f"site config {where}: [roots] takes tmpfs = \"...\" and/or nvme = \"...\"")
-        kw["roots"] = {k: str(v) for k, v in roots.items()}
-    if "shared" in data:
-        kw["shared"] = tuple(str(s) for s in data["shared"])
-    for key in ("log_dir", "state_dir"):
-        if key in data:
-            kw[key] = str(data[key])
+    try:
+        if "roots" in data:
+            roots = data["roots"]
+            if not isinstance(roots, dict) or set(roots) - {"tmpfs", "nvme"} or not roots:
+                raise UsageError(f"site config {path}: [roots] takes tmpfs = \"...\" and/or nvme = \"...\"")
+            kw["roots"] = {k: str(v) for k, v in roots.items()}
+        if "shared" in data:
+            if not isinstance(data["shared"], list):
+                raise UsageError(f"site config {path}: shared takes a list of paths, e.g. shared = [\"/nfs/ds\"]")
+            kw["shared"] = tuple(str(s) for s in data["shared"])
+        for key in ("log_dir", "state_dir"):
+            if key in data:
+                kw[key] = str(data[key])
+        if env.get("STAGINGLOADER_LOG_DIR"):
+            kw["log_dir"] = env["STAGINGLOADER_LOG_DIR"]
+        for key in ("budget_seconds", "max_ram_fraction"):
+            if key in data:
+                kw[key] = float(data[key])
+        if "keep_bytes" in data:
+            value = data["keep_bytes"]
+            kw["keep_bytes"] = value if isinstance(value, int) else parse_bytes(str(value))
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"site config {path}: {e}") from None
+    return SiteConfig(node=env.get("SLURMD_NODENAME", ""), **kw)
+
+
+def fallback(env: Mapping[str, str]) -> SiteConfig:
+    """Where the hooks keep their logs and the job's status when the site config is broken: its ``log_dir`` and
+    ``state_dir`` if the file still names them as strings, else the defaults."""
+    try:
+        data = read(where(env))
+    except UsageError:
+        data = {}
+    kw = {k: data[k] for k in ("log_dir", "state_dir") if isinstance(data.get(k), str)}
     if env.get("STAGINGLOADER_LOG_DIR"):
         kw["log_dir"] = env["STAGINGLOADER_LOG_DIR"]
-    if "budget_seconds" in data:
-        kw["budget_seconds"] = float(data["budget_seconds"])
-    if "max_ram_fraction" in data:
-        kw["max_ram_fraction"] = float(data["max_ram_fraction"])
-    if "keep_bytes" in data:
-        value = data["keep_bytes"]
-        kw["keep_bytes"] = value if isinstance(value, int) else parse_bytes(str(value))
     return SiteConfig(node=env.get("SLURMD_NODENAME", ""), **kw)
+

@@ -26,12 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from ..cache.capacity import check_root
-from ..cache.housekeeping import gc
 from ..cache.layout import DatasetDir
 from ..cache.leases import release
 from ..errors import CacheError, RootError, UsageError
 from . import config as site_config
-from . import jobstate, rootsafe
+from . import jobstate, quick, rootsafe, slurmconf
 from .identity import JobUser, run_worker
 from .jobstate import JobLog, write_status
 from .nodelist import node_index
@@ -39,6 +38,9 @@ from .request import StageRequest, check_names, is_request, parse_comment, parse
 
 log = logging.getLogger(__name__)
 SPEC_MAX_BYTES = 64 * 1024
+BROKEN_CONFIG = "the site's stagingloader config is broken: ask your admin"
+#: the job states in which the prolog keeps waiting for its stager (anything else: the job ended, e.g. scancel)
+LIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED")
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -121,28 +123,49 @@ def _job(env: Mapping[str, str]) -> str:
     return job
 
 
+def _node(env: Mapping[str, str]) -> str:
+    return env.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def broken_config(env: Mapping[str, str], hook: str, job: str, user: JobUser, error: Exception,
+                  slurmd_log: str | None) -> None:
+    """The site config cannot be used: said to the admin (root's node log, slurmd's log at level error) and, from the
+    prolog, to the job (``failed: the site's stagingloader config is broken: ask your admin``)."""
+    cfg = site_config.fallback(env)
+    jobstate.node_log(cfg, f"stagingloader {hook}: job {job}: {error}; no staging on this node until it is fixed "
+                           "(check it with `stagingloader slurm check-config`)", slurmd_log=slurmd_log)
+    if hook == "prolog":
+        with contextlib.suppress(Exception):
+            write_status(cfg, job, user, {"state": "failed", "reason": BROKEN_CONFIG, "datasets": []})
+
+
 def prolog(env: Mapping[str, str]) -> int:
     comment = env.get("SLURM_JOB_COMMENT", "")
     if not is_request(comment):
         return 0
+    settings = slurmconf.read(env)
+    slurmd_log = slurmconf.slurmd_log(settings, _node(env))
     try:
-        cfg = site_config.load(env)
         job, user = _job(env), JobUser.from_env(env)
     except UsageError as e:
-        log.error("stagingloader prolog: %s", e)
+        jobstate.node_log(site_config.fallback(env), f"stagingloader prolog: {e}", slurmd_log=slurmd_log)
         return 0
-    say = JobLog(cfg, job, "prolog", user)
+    try:
+        cfg = site_config.load(env)
+    except UsageError as e:
+        broken_config(env, "prolog", job, user, e, slurmd_log)
+        return 0
+    wait = slurmconf.hand_over_after(cfg.budget_seconds, slurmconf.prolog_epilog_timeout(settings))
+    say = JobLog(cfg, job, "prolog", user, slurmd_log=slurmd_log)
     try:
         try:
             jobstate.state_dir(cfg)
         except OSError as e:  # CacheError included: a state folder a user could change is not used
-            log.error("stagingloader prolog: job %s runs without staged data: cannot keep its status in %s: %s",
-                      job, cfg.state_dir, e)
-            say(f"cannot keep the job's status: {e}")
+            say.problem(f"the job runs without staged data: cannot keep its status in {cfg.state_dir}: {e}")
             return 0
-        return _prolog(env, cfg, job, user, comment, say)
+        return _prolog(env, cfg, job, user, comment, say, wait)
     except Exception as e:  # never drain a node for something we did not foresee
-        say(f"unexpected {type(e).__name__}: {e}; the job runs without staged data")
+        say.problem(f"unexpected {type(e).__name__}: {e}; the job runs without staged data")
         with contextlib.suppress(Exception):
             write_status(cfg, job, user, {"state": "failed", "reason": f"internal error: {e}", "datasets": []})
         return 0
@@ -151,21 +174,21 @@ def prolog(env: Mapping[str, str]) -> int:
 
 
 def _prolog(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, user: JobUser, comment: str,
-            say: JobLog) -> int:
+            say: JobLog, wait: float) -> int:
     say(f"job {job} of {user.name} (uid {user.uid}) asks: {comment!r}")
     try:
         requests, spec = parse_comment(comment)
         node_check(cfg, {r.root for r in requests} | (set(cfg.roots) if spec else set()))
     except CacheError as e:  # a path a user can squat (/dev/shm/...) is the job's problem, not the node's
-        say(f"staging refused: {e}")
+        say.problem(f"staging refused: {e}")
         write_status(cfg, job, user, {"state": "failed", "reason": f"unsafe staging root: {e}", "datasets": []})
         return 0
     except RootError as e:
-        say(f"this node is broken: {e}")
+        say.problem(f"this node is broken: {e}")
         write_status(cfg, job, user, {"state": "failed", "reason": f"node problem: {e}", "datasets": []})
         return 1
     except UsageError as e:
-        say(f"bad request: {e}")
+        say.problem(f"bad request: {e}")
         write_status(cfg, job, user, {"state": "failed", "reason": f"bad request: {e}", "datasets": []})
         return 0
     write_status(cfg, job, user, {"state": "staging", "datasets": [], "supervisor": None})
@@ -183,17 +206,50 @@ def _prolog(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, user:
                 write_status(cfg, job, user, {"state": "failed", "reason": f"internal error: {e}", "datasets": []})
         finally:
             os._exit(code)
-    deadline = time.monotonic() + cfg.budget_seconds
-    while time.monotonic() < deadline:
+    return _wait_for(pid, env, cfg, job, say, wait)
+
+
+def _wait_for(pid: int, env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, say: JobLog,
+              wait: float) -> int:
+    """Wait for the supervisor ``pid`` at most ``wait`` seconds, and no longer than the job lives (``scancel``
+    during the prolog: Slurm waits for the prolog before it runs the epilog, which stops the supervisor)."""
+    t0 = time.monotonic()
+    next_look = t0 + 1.0
+    while time.monotonic() - t0 < wait:
         done, _ = os.waitpid(pid, os.WNOHANG)
         if done:
             final = jobstate.read_record(cfg, job) or {}
             say(f"prolog done: {final.get('state')}")
             return 0
+        if time.monotonic() >= next_look:
+            next_look = time.monotonic() + 1.0
+            state = job_state(job, env)
+            if state is not None and not state.startswith(LIVE_STATES):
+                say(f"the job is {state}: the prolog stops waiting; the epilog stops the stager (what it copied stays)")
+                return 0
         time.sleep(0.05)
-    say(f"staging goes on past the prolog's budget of {cfg.budget_seconds:.0f}s in pid {pid}; "
+    why = "" if wait >= cfg.budget_seconds else " (half of Slurm's PrologEpilogTimeout)"
+    say(f"staging goes on past the prolog's budget of {wait:.0f}s{why} in pid {pid}; "
         "the job's stagingloader.stage() waits for it")
     return 0
+
+
+def job_state(job: str, env: Mapping[str, str]) -> str | None:
+    """The job's state as slurmctld sees it (``scontrol show job``), or None when it does not answer."""
+    import subprocess
+
+    path = {"PATH": "/usr/bin:/bin:/usr/sbin:/usr/local/bin"}
+    if env.get("SLURM_CONF"):
+        path["SLURM_CONF"] = env["SLURM_CONF"]
+    try:
+        proc = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True, timeout=3,
+                              env=path, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return "GONE" if "Invalid job id" in proc.stderr else None
+    m = re.search(r"\bJobState=(\S+)", proc.stdout)
+    return m.group(1) if m else None
 
 
 def _plan(env: Mapping[str, str], cfg: site_config.SiteConfig, user: JobUser, requests: list[StageRequest],
@@ -233,11 +289,11 @@ def _supervise(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, us
     try:
         plans = _plan(env, cfg, user, requests, spec)
     except CacheError as e:  # e.g. ROOT/users/<user> is a link: refused, named, the job's problem
-        say(f"staging refused: {e}")
+        say.problem(f"staging refused: {e}")
         write_status(cfg, job, user, {"state": "failed", "reason": f"unsafe staging folder: {e}", "datasets": []})
         return
     except (UsageError, OSError) as e:  # RootError included: checked by the prolog, so a race or a tier
-        say(f"bad request: {e}")
+        say.problem(f"bad request: {e}")
         write_status(cfg, job, user, {"state": "failed", "reason": f"bad request: {e}", "datasets": []})
         return
     # the supervisor records itself (not the prolog: it could overwrite a final status)
@@ -251,8 +307,8 @@ def _supervise(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, us
         op = {"op": "stage", "src": req.src, "roots": plan["roots"], "lease": lease, "shard": plan["shard"],
               "shared": plan["shared"], "max_ram_fraction": cfg.max_ram_fraction, "lock_timeout": None,
               "wait": req.wait}
-        if plan["shared"]:
-            answer = run_worker({"op": "access", "src": req.src}, user)
+        if plan["shared"]:  # a local source must be readable by all (checked by root's stager); a URL, by her
+            answer = run_worker({"op": "access", "src": req.src}, user) if "://" in req.src else {"ok": True}
             if answer.get("ok"):
                 answer = run_worker(op, None)
         else:
@@ -267,7 +323,7 @@ def _supervise(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, us
                                                             "lease")}))
         else:
             reason = f"{answer.get('error')}: {answer.get('message')}"
-            say(f"staging {req.src} failed: {reason}")
+            say.problem(f"staging {req.src} failed: {reason}")
             results.append(_entry(plan, "failed", reason=reason, lease=lease))
     failed = [r for r in results if r["state"] == "failed"]
     state = "failed" if failed else "ok"
@@ -323,15 +379,22 @@ def task_prolog_lines(status: dict[str, Any] | None) -> list[str]:
 def task_prolog(env: Mapping[str, str]) -> int:
     """Print the job's ``export`` lines from what root wrote for this job and user only (``jobstate.read_view``)."""
     try:
-        cfg = site_config.load(env)
         job = _job(env)
         user = JobUser.from_env(env)
     except UsageError:
         return 0
-    status = jobstate.read_view(cfg, job, user)
-    if status is None and is_request(env.get("SLURM_JOB_COMMENT", "")):
-        status = {"state": "failed", "reason": "the prolog left no status (is the stagingloader Prolog configured, "
-                                               "with PrologFlags=Alloc?)", "datasets": []}
+    asked = is_request(env.get("SLURM_JOB_COMMENT", ""))
+    try:
+        cfg = site_config.load(env)
+    except UsageError:  # the prolog told the admin; the job is told here
+        status = jobstate.read_view(site_config.fallback(env), job, user)
+        if status is None and asked:
+            status = {"state": "failed", "reason": BROKEN_CONFIG, "datasets": []}
+    else:
+        status = jobstate.read_view(cfg, job, user)
+        if status is None and asked:
+            status = {"state": "failed", "reason": "the prolog left no status (is the stagingloader Prolog "
+                                                   "configured, with PrologFlags=Alloc?)", "datasets": []}
     for line in task_prolog_lines(status):
         print(line)
     return 0
@@ -339,28 +402,53 @@ def task_prolog(env: Mapping[str, str]) -> int:
 
 # ---- epilog --------------------------------------------------------------------------------------
 def epilog(env: Mapping[str, str]) -> int:
-    """Root's housekeeping after a job, driven only by root's own record and the site config."""
+    """Root's housekeeping after a job, driven by root's own record, the site config and the job's lease: every
+    dataset on this node that holds ``slurm-job-<id>`` is released, however it was taken.  Bounded: each step gets
+    what is left of half of Slurm's ``PrologEpilogTimeout``; what does not fit is left to the next epilog or gc."""
+    settings = slurmconf.read(env)
+    slurmd_log = slurmconf.slurmd_log(settings, _node(env))
     try:
-        cfg = site_config.load(env)
         job = _job(env)
         user = JobUser.from_env(env)
     except UsageError:
         return 0
-    record = jobstate.read_record(cfg, job)  # never the job's view: it is for the task prolog, in her folder
-    if record is None:
+    try:
+        cfg = site_config.load(env)
+    except UsageError as e:
+        broken_config(env, "epilog", job, user, e, slurmd_log)
         return 0
-    if record.get("uid") != user.uid:  # left by an older job with this id, another user's: not this job's
+    deadline = time.monotonic() + slurmconf.epilog_time(slurmconf.prolog_epilog_timeout(settings))
+    record = jobstate.read_record(cfg, job)  # never the job's view: it is for the task prolog, in her folder
+    if record is not None and record.get("uid") != user.uid:  # an older job's with this id, another user's
         log.warning("stagingloader epilog: job %s: dropped a record of uid %s's job", job, record.get("uid"))
         jobstate.remove(cfg, job, None)
+        record = None
+    if record is None and not _job_lease_roots(cfg, user, job):
         return 0
-    say = JobLog(cfg, job, "epilog", user)
+    say = JobLog(cfg, job, "epilog", user, slurmd_log=slurmd_log)
     try:
-        _epilog(cfg, job, user, record, say)
+        folders: set[tuple[Path, bool]] = set()
+        if record is not None:
+            folders = _epilog(cfg, job, user, record, say, deadline)
+        folders |= _release_job_leases(cfg, job, user, say, deadline)
+        _evict(cfg, user, folders, say, deadline)
     except Exception as e:
-        say(f"unexpected {type(e).__name__}: {e}")
+        say.problem(f"unexpected {type(e).__name__}: {e}")
     finally:
+        if record is not None:
+            jobstate.remove(cfg, job, user)
         say.close()
     return 0
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def _job_lease_roots(cfg: site_config.SiteConfig, user: JobUser, job: str) -> list[str]:
+    """The user's folders on this node holding a dataset with the job's lease (:func:`.quick.job_lease_roots`)."""
+    private = [str(p) for p in sorted(private_folders(cfg, user))]
+    return quick.job_lease_roots(quick.candidate_roots(private, user.name, user.uid, user.home), job)
 
 
 def _trusted_entry(cfg: site_config.SiteConfig, user: JobUser, d: Any, say: JobLog) -> dict[str, Any] | None:
@@ -374,13 +462,15 @@ def _trusted_entry(cfg: site_config.SiteConfig, user: JobUser, d: Any, say: JobL
     if isinstance(dd, str) and Path(dd).parent not in roots:
         say(f"ignored {dd}: not in a staging folder of this job")
         dd = None
-    return {"src": d["src"], "shared": shared, "roots": roots, "dataset_dir": dd, "ok": d.get("state") == "ok",
+    return {"src": d["src"], "shared": shared, "roots": roots, "dataset_dir": dd, "failed": d.get("state") == "failed",
             "shard": d.get("shard"), "version": d.get("version") if isinstance(d.get("version"), str) else None}
 
 
-def _epilog(cfg: site_config.SiteConfig, job: str, user: JobUser, record: dict[str, Any], say: JobLog) -> None:
+def _epilog(cfg: site_config.SiteConfig, job: str, user: JobUser, record: dict[str, Any], say: JobLog,
+            deadline: float) -> set[tuple[Path, bool]]:
+    """Stop the prolog's stager if it still runs and drop the leases its record names; the folders it used."""
     if record.get("state") == "staging":
-        rootsafe.stop_group(record.get("supervisor"), say)
+        rootsafe.stop_group(record.get("supervisor"), say, grace=min(5.0, _left(deadline) / 3))
         record = jobstate.read_record(cfg, job) or record
     lease = f"slurm-job-{job}"
     folders: set[tuple[Path, bool]] = set()
@@ -402,25 +492,48 @@ def _epilog(cfg: site_config.SiteConfig, job: str, user: JobUser, record: dict[s
                 release(DatasetDir(dd), lease)
                 say(f"released {lease} on {dd}")
         else:  # the user's folder: everything in it is done as the user
-            op = {"op": "release", "lease": lease, "cleanup": not d["ok"], "dataset_dir": d["dataset_dir"],
+            # a failed stage's leftovers go; a stage cut short by the job's end keeps its partial copy (resumed next)
+            op = {"op": "release", "lease": lease, "cleanup": d["failed"], "dataset_dir": d["dataset_dir"],
                   "src": d["src"], "shard": d["shard"], "roots": [str(r) for r in d["roots"]], "job": job,
                   "version": d["version"]}
-            answer = run_worker(op, user)
+            answer = run_worker(op, user, timeout=max(1.0, _left(deadline)))
             say(f"released {lease} in {', '.join(op['roots'])}: {answer}")
-    if cfg.keep_bytes is not None:
-        for folder, shared in sorted(folders):
-            if shared:
-                try:
-                    rootsafe.check_trusted_dir(folder)
-                except (OSError, CacheError) as e:
-                    say(f"did not evict in {folder}: {e}")
-                    continue
-                result = gc(str(folder), cfg.keep_bytes, {})
-            else:
-                result = run_worker({"op": "gc", "root": str(folder), "keep_bytes": cfg.keep_bytes}, user)
-            say(f"evicted under {cfg.keep_bytes} bytes in {folder}: removed {result.get('removed')}, "
-                f"kept in use {result.get('busy')}")
-    jobstate.remove(cfg, job, user)
+    return folders
+
+
+def _release_job_leases(cfg: site_config.SiteConfig, job: str, user: JobUser, say: JobLog,
+                        deadline: float) -> set[tuple[Path, bool]]:
+    """Drop the job's lease wherever a job step took it (``stagingloader stage`` in the job), as the user."""
+    roots = _job_lease_roots(cfg, user, job)
+    if not roots:
+        return set()
+    answer = run_worker({"op": "release-job", "roots": roots, "lease": f"slurm-job-{job}", "job": job}, user,
+                        timeout=max(1.0, _left(deadline)))
+    say(f"released slurm-job-{job} taken in the job's steps in {', '.join(roots)}: {answer}")
+    private = private_folders(cfg, user)
+    return {(Path(r), False) for r in roots if Path(r) in private}
+
+
+def _evict(cfg: site_config.SiteConfig, user: JobUser, folders: set[tuple[Path, bool]], say: JobLog,
+           deadline: float) -> None:
+    """With ``keep_bytes``: evict in the job's folders, each in a worker bounded by the time left (a gc cut short
+    leaves its work to the next one)."""
+    if cfg.keep_bytes is None:
+        return
+    for folder, shared in sorted(folders):
+        if _left(deadline) < 1:
+            say(f"no time left to evict in {folder}: left to the next epilog or `stagingloader gc`")
+            continue
+        if shared:
+            try:
+                rootsafe.check_trusted_dir(folder)
+            except (OSError, CacheError) as e:
+                say(f"did not evict in {folder}: {e}")
+                continue
+        result = run_worker({"op": "gc", "root": str(folder), "keep_bytes": cfg.keep_bytes},
+                            None if shared else user, timeout=_left(deadline))
+        say(f"evicted under {cfg.keep_bytes} bytes in {folder}: removed {result.get('removed')}, "
+            f"kept in use {result.get('busy')}" if result.get("ok") else f"eviction in {folder}: {result}")
 
 
 def _datasets_named(d: dict[str, Any]) -> list[Path]:

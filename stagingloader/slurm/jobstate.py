@@ -11,6 +11,8 @@ Every file here is root's: root-owned, not writable by the job's user, written b
   Root writes it and never reads it back.
 - **Root's log**, ``<log_dir>/<id>.log`` (0600), and **the job's copy**, ``<log_dir>/users/<user>/<id>.log``
   (root's, 0644, in her 0700 folder): the same lines, appended by root to both.
+- **The node's log**, ``<log_dir>/stagingloader.log`` (0600): one line per problem an admin should see (a broken
+  site config, a failed stage, a refusal), also written to slurmd's log at level ``error``.
 
 ``state_dir`` and ``log_dir`` must be folders only root can change (checked every time, see :mod:`.rootsafe`).
 Files in root's folders are opened with ``O_NOFOLLOW``; in the user's folders through a descriptor of the
@@ -37,11 +39,48 @@ from .identity import JobUser
 log = logging.getLogger(__name__)
 
 
-class JobLog:
-    """Root's log of a job (``<log_dir>/<id>.log``) and the job's copy in the user's own folder, one line per event."""
+NODE_LOG = "stagingloader.log"
 
-    def __init__(self, cfg: site_config.SiteConfig, job: str, hook: str, user: JobUser | None) -> None:
+
+def node_log(cfg: site_config.SiteConfig, text: str, *, slurmd_log: str | None = None) -> None:
+    """A problem for the admin: a line in root's node log (``<log_dir>/stagingloader.log``) and, at level ``error``,
+    in slurmd's log file (``slurmd_log``; else syslog), where the default ``SlurmdDebug`` shows it."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    node = cfg.node or socket.gethostname()
+    with contextlib.suppress(OSError, CacheError):
+        d = rootsafe.make_trusted_dir(cfg.path(cfg.log_dir), 0o755)
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd = rootsafe.append_in(dfd, NODE_LOG, 0o600)
+        finally:
+            os.close(dfd)
+        with os.fdopen(fd, "a") as f:
+            f.write(f"{stamp} {node} {text}\n")
+    line = f"[{stamp}.000] error: {text}\n"
+    if slurmd_log is not None:
+        with contextlib.suppress(OSError, CacheError):  # slurmd's own file: a plain file root owns, never a link
+            fd = rootsafe.open_file(Path(slurmd_log), os.O_WRONLY | os.O_APPEND)
+            try:
+                if os.fstat(fd).st_uid == os.geteuid():
+                    os.write(fd, line.encode("utf-8", "replace"))
+                    return
+            finally:
+                os.close(fd)
+    with contextlib.suppress(OSError):
+        import syslog
+
+        syslog.openlog("stagingloader", 0, syslog.LOG_DAEMON)
+        syslog.syslog(syslog.LOG_ERR, text)
+
+
+class JobLog:
+    """Root's log of a job (``<log_dir>/<id>.log``) and the job's copy in the user's own folder, one line per event;
+    :meth:`problem` also tells the node's log and slurmd's."""
+
+    def __init__(self, cfg: site_config.SiteConfig, job: str, hook: str, user: JobUser | None, *,
+                 slurmd_log: str | None = None) -> None:
         self.hook = hook
+        self.cfg, self.job, self.slurmd_log = cfg, job, slurmd_log
         self.node = cfg.node or socket.gethostname()
         self.file: TextIO | None = None  #: root's log (the supervisor's stdout and stderr too)
         self.copy: TextIO | None = None  #: the job's copy, for its user
@@ -74,6 +113,11 @@ class JobLog:
             if f is not None:
                 with contextlib.suppress(OSError):
                     f.write(line + "\n")
+
+    def problem(self, text: str) -> None:
+        """A failure or a refusal: in the job's log (and her copy), the node's log and slurmd's log."""
+        self(text)
+        node_log(self.cfg, f"stagingloader {self.hook}: job {self.job}: {text}", slurmd_log=self.slurmd_log)
 
     def close(self) -> None:
         for f in (self.file, self.copy):

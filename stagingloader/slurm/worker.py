@@ -4,7 +4,8 @@ Reads one JSON operation on stdin, writes one JSON answer on stdout.  Operations
 ``stage`` (pick a root among candidates, stage, take the job's lease), ``access`` (can this user
 read every file of the source?), ``release`` (drop the job's lease, and the named leases runs inside
 the job noted on a streaming stage; with ``cleanup``, remove a dataset that never got a complete
-version), ``gc`` (evict under a byte budget).
+version), ``release-job`` (drop the job's lease on every dataset of the given roots: leases a job step
+took), ``gc`` (evict under a byte budget), ``ls`` (what a root holds; for root's ``ls`` of a user's folder).
 """
 
 from __future__ import annotations
@@ -24,15 +25,28 @@ from ..cache import housekeeping, leases
 from ..cache.capacity import resolve_root
 from ..cache.layout import DatasetDir, current_user, dataset_key
 from ..cache.locking import DatasetLock
-from ..errors import NoSpaceError, StagingError, UsageError
+from ..errors import NoSpaceError, SourceAccessError, StagingError, UsageError
 from ..sources.source import Source
 from ..staging.result import StagedDataset
 from ..staging.stager import StageOptions, StagePlan, dataset_identity, open_run, run_stage
 from ..streaming import protocol
+from .access import not_world_readable
+
+
+def check_shareable(src: str) -> None:
+    """Raise :class:`SourceAccessError` unless every user may read the local source ``src`` (see :mod:`.access`)."""
+    why = not_world_readable(src) if "://" not in src else None
+    if why:
+        raise SourceAccessError(
+            f"{src} is declared shared in the site config, but {why}: a shared copy is readable by every user of the "
+            "node, so only a source every user may read can be shared; ask your admin to make it readable by all or "
+            "to take it out of `shared`")
 
 
 def _stage(op: dict[str, Any]) -> dict[str, Any]:
     os.umask(0o022 if op.get("shared") else 0o077)
+    if op.get("shared"):
+        check_shareable(op["src"])
     shard = (int(op["shard"][0]), int(op["shard"][1])) if op.get("shard") else None
     roots = [Path(r) for r in op["roots"]]
     opts = StageOptions(root=str(roots[0]), lease=op["lease"], shard=shard, lock_timeout=op.get("lock_timeout"),
@@ -126,9 +140,24 @@ def _release_one(ddir: DatasetDir, op: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "released": dropped, "removed": removed, "named": named}
 
 
+def _release_job(op: dict[str, Any]) -> dict[str, Any]:
+    """The job's lease, wherever in ``roots`` a job step took it (only datasets that pass the trust rule)."""
+    released: list[str] = []
+    for root in op["roots"]:
+        for ddir in housekeeping.datasets(Path(root)):
+            answer = _release_one(ddir, {"lease": op["lease"], "job": op["job"]})
+            if answer["released"] or answer["named"]:
+                released.append(str(ddir.path))
+    return {"ok": True, "released": released}
+
+
 def _gc(op: dict[str, Any]) -> dict[str, Any]:
-    result = housekeeping.gc(op["root"], int(op["keep_bytes"]), {})
+    result = housekeeping.gc(op["root"], int(op["keep_bytes"]), {}, dry_run=bool(op.get("dry_run")))
     return {"ok": True, **result}
+
+
+def _ls(op: dict[str, Any]) -> dict[str, Any]:
+    return {"ok": True, "datasets": [i.to_dict() for i in housekeeping.list_datasets(op["root"], {})]}
 
 
 def _spec(op: dict[str, Any]) -> dict[str, Any]:
@@ -149,7 +178,8 @@ def _spec(op: dict[str, Any]) -> dict[str, Any]:
         os.close(fd)
 
 
-OPS = {"stage": _stage, "access": _access, "release": _release, "gc": _gc, "spec": _spec}
+OPS = {"stage": _stage, "access": _access, "release": _release, "release-job": _release_job, "gc": _gc,
+       "ls": _ls, "spec": _spec}
 
 
 def main() -> int:

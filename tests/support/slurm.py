@@ -91,13 +91,15 @@ def _free_port() -> int:
 class SlurmCluster:
     """Start with :meth:`start`, stop with :meth:`stop` (or use as a context manager)."""
 
-    def __init__(self, *, hooks_python: str, extra_conf: str = "", hook_env: dict[str, str] | None = None) -> None:
+    def __init__(self, *, hooks_python: str, extra_conf: str = "", hook_env: dict[str, str] | None = None,
+                 prolog_epilog_timeout: int = 60) -> None:
         base = "/run" if os.access("/run", os.W_OK) else None
         self.dir = Path(tempfile.mkdtemp(prefix="sl-slurm-", dir=base))
         os.chmod(self.dir, 0o755)
         self.hooks_python = hooks_python
         self.extra_conf = extra_conf
         self.hook_env = dict(hook_env or {})
+        self.prolog_epilog_timeout = prolog_epilog_timeout
         self.conf = self.dir / "slurm.conf"
         self.munge_socket = self.dir / "munge" / "munge.sock"
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -106,7 +108,9 @@ class SlurmCluster:
     # ---- set-up ------------------------------------------------------------------------------
     def _hook(self, name: str, hook: str) -> Path:
         p = self.dir / name
-        exports = "".join(f"export {k}='{v}'\n" for k, v in self.hook_env.items())
+        # SLURM_CONF: where a real node's hooks find slurm.conf (/etc/slurm/slurm.conf), they find this cluster's
+        env = {"SLURM_CONF": str(self.conf), **self.hook_env}
+        exports = "".join(f"export {k}='{v}'\n" for k, v in env.items())
         p.write_text(f"#!/bin/sh\n{exports}exec {self.hooks_python} -m stagingloader slurm {hook}\n")
         p.chmod(0o755)
         return p
@@ -154,7 +158,7 @@ Prolog={self._hook('prolog.sh', 'prolog')}
 Epilog={self._hook('epilog.sh', 'epilog')}
 TaskProlog={self._hook('task-prolog.sh', 'task-prolog')}
 PrologFlags=Alloc
-PrologEpilogTimeout=60
+PrologEpilogTimeout={self.prolog_epilog_timeout}
 {self.extra_conf}
 NodeName=n[1-2] NodeHostname={host} NodeAddr=127.0.0.1 Port=[{port}-{port + 1}] CPUs=2 RealMemory=500 State=UNKNOWN
 PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP

@@ -1,0 +1,79 @@
+"""What the hooks need to know of Slurm's own configuration: ``PrologEpilogTimeout`` and where slurmd logs.
+
+Read from ``slurm.conf`` (``$SLURM_CONF``, else ``/etc/slurm/slurm.conf``), which every node has unless the site
+runs "configless"; there, from ``scontrol show config`` (a few milliseconds, and only when a hook has work).  A hook
+that learns nothing goes by the site config alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+from collections.abc import Mapping
+
+DEFAULT_FILES = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf")
+UNLIMITED = 65534  #: Slurm's "no limit" for PrologEpilogTimeout
+_LINE = re.compile(r"^\s*([A-Za-z]+)\s*=\s*(\S+)")
+_SHOW = re.compile(r"^([A-Za-z]+)\s+=\s+(.*?)\s*$")
+
+
+def read(env: Mapping[str, str], *, ask_slurm: bool = True) -> dict[str, str]:
+    """Slurm's settings, keys lowercased: from ``slurm.conf`` if there is one, else (``ask_slurm``) from
+    ``scontrol show config``; {} when neither answers."""
+    files = [env["SLURM_CONF"]] if env.get("SLURM_CONF") else list(DEFAULT_FILES)
+    for path in files:
+        with contextlib.suppress(OSError, UnicodeDecodeError), open(path, encoding="utf-8") as f:
+            out: dict[str, str] = {}
+            for line in f:
+                m = _LINE.match(line.split("#", 1)[0])
+                if m:
+                    out[m.group(1).lower()] = m.group(2)
+            return out
+    if not ask_slurm:
+        return {}
+    try:
+        proc = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=5,
+                              env={"PATH": "/usr/bin:/bin:/usr/sbin:/usr/local/bin", **(
+                                  {"SLURM_CONF": env["SLURM_CONF"]} if env.get("SLURM_CONF") else {})},
+                              check=False)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    shown: dict[str, str] = {}
+    for line in proc.stdout.splitlines():
+        m = _SHOW.match(line)
+        if m:
+            shown[m.group(1).lower()] = m.group(2)
+    return shown
+
+
+def prolog_epilog_timeout(settings: Mapping[str, str]) -> float | None:
+    """``PrologEpilogTimeout`` in seconds, or None when Slurm sets no limit (or it is not known)."""
+    text = settings.get("prologepilogtimeout", "").split()[0:1]
+    try:
+        value = float(text[0]) if text else None
+    except ValueError:
+        return None
+    return value if value is not None and 0 < value < UNLIMITED else None
+
+
+def slurmd_log(settings: Mapping[str, str], node: str) -> str | None:
+    """slurmd's log file on this node (``%n`` and ``%h`` expanded), or None (it logs to syslog)."""
+    path = settings.get("slurmdlogfile", "")
+    if not path.startswith("/"):
+        return None
+    return path.replace("%n", node).replace("%h", os.uname().nodename.split(".")[0])
+
+
+def hand_over_after(budget_seconds: float, timeout: float | None) -> float:
+    """How long the prolog may wait for its stager: ``budget_seconds``, but never past half of Slurm's
+    ``PrologEpilogTimeout`` (the rest is for starting, handing over and the node's other prologs)."""
+    if timeout is None:
+        return budget_seconds
+    return max(0.0, min(budget_seconds, timeout / 2 - 1))
+
+
+def epilog_time(timeout: float | None) -> float:
+    """How long the epilog's own clean-up may take: half of ``PrologEpilogTimeout`` (at most 60 s)."""
+    return 60.0 if timeout is None else max(1.0, min(60.0, timeout / 2))
