@@ -8,6 +8,7 @@
     keep_bytes = "500G"                       # epilog eviction budget per staging folder (unset: keep all)
     max_ram_fraction = 0.5
     shared = ["/nfs/datasets/imagenet"]       # staged once per node, readable by all
+    peer_key = "/etc/stagingloader/peer.key"  # root's 0600 secret, the same on every node: peers=yes
     [roots]
     tmpfs = "/dev/shm/stagingloader"
     nvme = "/local_scratch/stagingloader"
@@ -39,6 +40,8 @@ class SiteConfig:
     budget_seconds: float = 60.0
     keep_bytes: int | None = None
     max_ram_fraction: float = 0.5
+    #: root's secret (0600, the same on every node) from which each job's peers key is made (``peers=yes``)
+    peer_key: str = "/etc/stagingloader/peer.key"
     node: str = ""
 
     def path(self, template: str) -> Path:
@@ -59,7 +62,7 @@ class SiteConfig:
         return src.rstrip("/") in {s.rstrip("/") for s in self.shared}
 
 
-KEYS = ("roots", "shared", "log_dir", "state_dir", "budget_seconds", "keep_bytes", "max_ram_fraction")
+KEYS = ("roots", "shared", "log_dir", "state_dir", "budget_seconds", "keep_bytes", "max_ram_fraction", "peer_key")
 
 
 def where(env: Mapping[str, str]) -> str:
@@ -122,7 +125,7 @@ def parse(data: Mapping[str, Any], path: str, env: Mapping[str, str]) -> SiteCon
             if not isinstance(data["shared"], list):
                 raise UsageError(f"site config {path}: shared takes a list of paths, e.g. shared = [\"/nfs/ds\"]")
             kw["shared"] = tuple(str(s) for s in data["shared"])
-        for key in ("log_dir", "state_dir"):
+        for key in ("log_dir", "state_dir", "peer_key"):
             if key in data:
                 kw[key] = str(data[key])
         if env.get("STAGINGLOADER_LOG_DIR"):

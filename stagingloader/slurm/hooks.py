@@ -16,6 +16,8 @@ job's ``stagingloader.stage(SRC)`` waits on the dataset's lock).  Hooks never ca
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
 import os
 import re
@@ -33,13 +35,15 @@ from . import config as site_config
 from . import jobstate, quick, rootsafe, slurmconf
 from .identity import JobUser, run_worker
 from .jobstate import JobLog, write_status
-from .nodelist import node_index
+from .nodelist import expand, node_index
 from .request import StageRequest, check_names, is_request, parse_comment, parse_spec
 
 log = logging.getLogger(__name__)
 SPEC_MAX_BYTES = 64 * 1024
 BROKEN_CONFIG = "the site's stagingloader config is broken: ask your admin"
 #: the job states in which the prolog keeps waiting for its stager (anything else: the job ended, e.g. scancel)
+#: peers=yes: how long a node waits for the job's other nodes to meet, and for a silent one
+PEERS_TIMEOUT = 120.0
 LIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED")
 
 
@@ -307,8 +311,11 @@ def _supervise(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, us
         op = {"op": "stage", "src": req.src, "roots": plan["roots"], "lease": lease, "shard": plan["shard"],
               "shared": plan["shared"], "max_ram_fraction": cfg.max_ram_fraction, "lock_timeout": None,
               "wait": req.wait}
+        if req.peers:
+            op["peers"] = _peers(env, cfg, job, user, plan["shared"], say)
         if plan["shared"]:  # a local source must be readable by all (checked by root's stager); a URL, by her
-            answer = run_worker({"op": "access", "src": req.src}, user) if "://" in req.src else {"ok": True}
+            answer: dict[str, Any] = (run_worker({"op": "access", "src": req.src}, user) if "://" in req.src
+                                      else {"ok": True})
             if answer.get("ok"):
                 answer = run_worker(op, None)
         else:
@@ -316,8 +323,11 @@ def _supervise(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, us
         seconds = time.monotonic() - t0
         if answer.get("ok"):
             verb = "streaming" if answer.get("streaming") else "staged"
+            fig = answer["peers"] if isinstance(answer.get("peers"), dict) else None
+            how = (f" (with peers: node {fig['node']} of {fig['nodes']}, {fig['from_source_files']} files read from "
+                   f"the source, {fig['from_peers_files']} from peers)") if fig else ""
             say(f"{verb} {req.src}: {answer['files']} files, {answer['bytes']} bytes in {seconds:.1f}s "
-                f"-> {answer['root']}")
+                f"-> {answer['root']}{how}")
             results.append(_entry(plan, "ok", streaming=bool(answer.get("streaming")),
                                   **{k: answer[k] for k in ("root", "dataset_dir", "version", "staging_root",
                                                             "lease")}))
@@ -329,6 +339,34 @@ def _supervise(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, us
     state = "failed" if failed else "ok"
     reason = "; ".join(f"{r['src']}: {r['reason']}" for r in failed)
     write_status(cfg, job, user, {"state": state, "reason": reason, "datasets": results, "supervisor": None})
+
+
+def _peers(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, user: JobUser, shared: bool,
+           say: JobLog) -> dict[str, Any] | None:
+    """``peers=yes``: where this node meets the job's others (the first node of the job's node list, at the port
+    the job id gives) and the job's key, made from the site's secret for this job and this user (or for the
+    shared copy, which the user never sees: she cannot feed root's stager).  None: this node stages alone."""
+    from ..peers.wire import read_key_file
+    from ..peers.world import job_port
+
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+    try:
+        node, nodes = node_index(nodelist, cfg.node or socket.gethostname())
+    except (UsageError, ValueError) as e:
+        say.problem(f"peers=yes: this node is not in the job's node list {nodelist!r} ({e}): it stages alone")
+        return None
+    if nodes <= 1:
+        return None
+    try:
+        secret = read_key_file(cfg.path(cfg.peer_key), owner=0)
+    except UsageError as e:
+        say.problem(f"peers=yes: {e}; ask your admin (peer_key in the site config): each node stages alone")
+        return None
+    label = "shared" if shared else f"private:{user.uid}"
+    key = hmac.new(secret, f"stagingloader-slurm-peers\0{label}\0{job}".encode(), hashlib.sha256).hexdigest()
+    first = expand(nodelist)[0]
+    return {"addr": slurmconf.node_addr(env, first), "port": job_port(job), "node": node, "nodes": nodes,
+            "job": job, "key": key, "timeout": PEERS_TIMEOUT}
 
 
 # ---- task prolog ---------------------------------------------------------------------------------

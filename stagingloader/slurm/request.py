@@ -1,11 +1,13 @@
-"""What a job asks for: ``--comment "stage=SRC[;root=...][;name=N][;shard=node][;wait=no]"`` or a spec file.
+"""What a job asks for: ``--comment "stage=SRC[;root=...][;name=N][;shard=node][;wait=no][;peers=yes]"`` or a spec
+file.
 
 Pure parsing, no I/O: the hooks read the comment and the spec file, this module says what
 they mean or raises :class:`UsageError` with a message the job will see.
 
 Comment grammar: items separated by ``;``; each ``stage=SRC`` starts a request, and ``root=``,
 ``name=``, ``shard=`` and ``wait=`` that follow apply to it (``wait=no``: the prolog starts a streaming stager
-and returns at once; the job trains while it stages).  ``stage-spec=/path/spec.toml`` names a TOML
+and returns at once; the job trains while it stages; ``peers=yes``: the job's nodes stage it together, each file
+read from the source by one node).  ``stage-spec=/path/spec.toml`` names a TOML
 file of ``[[stage]]`` tables with the same keys (``src``, ``root``, ``name``, ``shard``, ``wait``).  A comment
 with neither ``stage=`` nor ``stage-spec=`` is not a request, and the hooks leave the job alone.
 """
@@ -34,6 +36,7 @@ class StageRequest:
     name: str | None = None
     shard: str | None = None  #: None or "node"
     wait: bool = True  #: False (``wait=no``): stream; the prolog returns once the stager has started
+    peers: bool = False  #: ``peers=yes``: the job's nodes stage it together, each file read from the source once
 
     @property
     def env_suffix(self) -> str:
@@ -56,7 +59,7 @@ def _check_src(src: str) -> str:
 
 
 def make_request(src: str, *, root: str = "auto", name: str | None = None, shard: str | None = None,
-                 wait: str | bool = "yes") -> StageRequest:
+                 wait: str | bool = "yes", peers: str | bool = "no") -> StageRequest:
     root = (root or "auto").strip()
     if root not in ROOTS:
         raise UsageError(f"root={root!r} is not one of {', '.join(ROOTS)}")
@@ -68,7 +71,17 @@ def make_request(src: str, *, root: str = "auto", name: str | None = None, shard
         if wait.strip().lower() not in ("yes", "no"):
             raise UsageError(f"wait={wait!r}: use wait=no (train while it stages) or wait=yes (the default)")
         wait = wait.strip().lower() == "yes"
-    return StageRequest(src=_check_src(src), root=root, name=name, shard=shard, wait=wait)
+    if isinstance(peers, str):
+        if peers.strip().lower() not in ("yes", "no"):
+            raise UsageError(f"peers={peers!r}: use peers=yes (the job's nodes stage it together) or peers=no")
+        peers = peers.strip().lower() == "yes"
+    if peers and shard is not None:
+        raise UsageError("peers=yes gives every node the whole dataset, read from the source once; shard=node gives "
+                         "each node a part: drop one of them")
+    if peers and not wait:
+        raise UsageError("peers=yes stages before the job starts; streaming with peers (wait=no) is not built yet: "
+                         "drop one of them")
+    return StageRequest(src=_check_src(src), root=root, name=name, shard=shard, wait=wait, peers=peers)
 
 
 def is_request(comment: str | None) -> bool:
@@ -96,7 +109,7 @@ def parse_comment(comment: str) -> tuple[list[StageRequest], str | None]:
             if not value.startswith("/") or ".." in value.split("/"):
                 raise UsageError(f"stage-spec={value!r} must be an absolute path without '..'")
             spec = value
-        elif key in ("root", "name", "shard", "wait"):
+        elif key in ("root", "name", "shard", "wait", "peers"):
             if not requests:
                 raise UsageError(f"{key}= must follow a stage=SRC in the job comment")
             if key in requests[-1]:
@@ -104,7 +117,7 @@ def parse_comment(comment: str) -> tuple[list[StageRequest], str | None]:
             requests[-1][key] = value
         else:
             raise UsageError(f"unknown key {key!r} in the job comment; use stage=, root=, name=, shard=, wait=, "
-                             "stage-spec=")
+                             "peers=, stage-spec=")
     if len(requests) > MAX_REQUESTS:
         raise UsageError(f"at most {MAX_REQUESTS} datasets per job, not {len(requests)}")
     return [make_request(**r) for r in requests], spec
@@ -135,15 +148,15 @@ def parse_spec(text: str, where: str = "the spec file") -> list[StageRequest]:
         raise UsageError(f"at most {MAX_REQUESTS} datasets per job, not {len(tables)}")
     out = []
     for t in tables:
-        unknown = set(t) - {"src", "root", "name", "shard", "wait"}
+        unknown = set(t) - {"src", "root", "name", "shard", "wait", "peers"}
         if unknown:
-            raise UsageError(f"unknown key(s) {sorted(unknown)} in {where}; use src, root, name, shard, wait")
+            raise UsageError(f"unknown key(s) {sorted(unknown)} in {where}; use src, root, name, shard, wait, peers")
         if not isinstance(t.get("src"), str):
             raise UsageError(f"each [[stage]] in {where} needs src = \"...\"")
         if any(not isinstance(v, str) for v in t.values()):
             raise UsageError(f"every value in {where} must be a string")
         out.append(make_request(t["src"], root=t.get("root", "auto"), name=t.get("name"), shard=t.get("shard"),
-                                wait=t.get("wait", "yes")))
+                                wait=t.get("wait", "yes"), peers=t.get("peers", "no")))
     return out
 
 

@@ -77,3 +77,30 @@ def hand_over_after(budget_seconds: float, timeout: float | None) -> float:
 def epilog_time(timeout: float | None) -> float:
     """How long the epilog's own clean-up may take: half of ``PrologEpilogTimeout`` (at most 60 s)."""
     return 60.0 if timeout is None else max(1.0, min(60.0, timeout / 2))
+
+
+def node_addr(env: Mapping[str, str], name: str) -> str:
+    """Where node ``name`` listens: its ``NodeAddr`` (else ``NodeHostname``) in ``slurm.conf``, else in
+    ``scontrol show node``, else the name itself (a name the network resolves, as on most clusters)."""
+    from .nodelist import expand
+
+    files = [env["SLURM_CONF"]] if env.get("SLURM_CONF") else list(DEFAULT_FILES)
+    for path in files:
+        with contextlib.suppress(OSError, UnicodeDecodeError), open(path, encoding="utf-8") as f:
+            for line in f:
+                fields: dict[str, str] = {m.group(1): m.group(2)
+                                          for m in re.finditer(r"(\w+)=(\S+)", line.split("#", 1)[0])}
+                names = expand(fields["NodeName"]) if "NodeName" in fields else []
+                if name in names:
+                    for key in ("NodeAddr", "NodeHostname"):
+                        if key in fields:
+                            addrs = expand(fields[key])
+                            return addrs[names.index(name)] if len(addrs) == len(names) else addrs[0]
+            break
+    try:
+        proc = subprocess.run(["scontrol", "show", "node", "-o", name], capture_output=True, text=True, timeout=5,
+                              env={"PATH": "/usr/bin:/bin:/usr/sbin:/usr/local/bin"}, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return name
+    m = re.search(r"\bNodeAddr=(\S+)", proc.stdout)
+    return m.group(1) if m else name

@@ -54,10 +54,13 @@ def _stage(op: dict[str, Any]) -> dict[str, Any]:
     chosen = choose_root(op["src"], opts, roots) if len(roots) > 1 else roots[0]
     opts = replace(opts, root=str(chosen))
     try:
-        if op.get("wait", True) is False:  # wait=no: a detached streaming stager under the job's lease; it stops
+        ds: StagedDataset | StagePlan
+        if op.get("peers"):
+            ds = _stage_with_peers(op, opts)
+        elif op.get("wait", True) is False:  # wait=no: a detached streaming stager under the job's lease; it stops
             from ..streaming.handle import stage_streaming  # when the epilog drops that lease
 
-            ds: StagedDataset | StagePlan = stage_streaming(op["src"], opts, env={})
+            ds = stage_streaming(op["src"], opts, env={})
         else:
             ds = run_stage(op["src"], opts, env={})
     except NoSpaceError as e:
@@ -69,7 +72,25 @@ def _stage(op: dict[str, Any]) -> dict[str, Any]:
         os.chmod(ds.dataset_dir, 0o755)
     return {"ok": True, "root": str(ds.root), "dataset_dir": str(ds.dataset_dir), "version": ds.version,
             "files": len(ds.files), "bytes": ds.total_bytes, "lease": ds.lease, "staging_root": str(chosen),
-            "streaming": ds.streaming}
+            "streaming": ds.streaming, "peers": ds.report.peers if ds.report is not None else None}
+
+
+def _stage_with_peers(op: dict[str, Any], opts: StageOptions) -> StagedDataset:
+    """``peers=yes``: stage with the job's other nodes, met where the prolog says, under the job's key."""
+    from ..peers.stage import stage_with_peers
+    from ..peers.world import Meeting
+
+    p = op["peers"]
+    where = Meeting(f"the job's node list (node {p['node']} of {p['nodes']}; port {p['port']} from the job id)",
+                    str(p["addr"]), int(p["port"]), int(p["node"]), int(p["nodes"]), 0, str(p["job"]))
+    lines: list[str] = []
+    ds = stage_with_peers(op["src"], replace(opts, peer_timeout=float(p["timeout"])), env={},
+                          timeout=float(p["timeout"]), on_event=lines.append,
+                          secret=(bytes.fromhex(p["key"]), "the site's peer key, for this job"), where=where)
+    for line in lines:
+        if line.startswith("warning:"):
+            print(f"stagingloader: {line}", file=sys.stderr)
+    return ds
 
 
 def choose_root(src: str, opts: StageOptions, roots: list[Path]) -> Path:

@@ -65,8 +65,10 @@ NODE_TASK = """import json, os, sys
 from pathlib import Path
 root = os.environ.get("STAGINGLOADER_DATASET", "")
 files = sorted(str(p.relative_to(root)) for p in Path(root).rglob("*") if p.is_file()) if root else []
+import xxhash
 out = {"node": os.environ.get("SLURMD_NODENAME"), "nodeid": os.environ.get("SLURM_NODEID"),
-       "status": os.environ.get("STAGINGLOADER_STATUS"), "root": root, "files": files}
+       "status": os.environ.get("STAGINGLOADER_STATUS"), "root": root, "files": files,
+       "digests": {f: "xxh3_128:" + xxhash.xxh3_128_hexdigest((Path(root) / f).read_bytes()) for f in files}}
 Path(sys.argv[1]).write_text(json.dumps(out))
 """
 
@@ -136,11 +138,14 @@ state_dir = "{base}/state/{{node}}"
 budget_seconds = 20
 keep_bytes = 0
 shared = ["{base}/sources/shared"]
+peer_key = "{base}/peer.key"
 [roots]
 tmpfs = "{base}/roots/{{node}}/tmpfs"
 nvme = "{base}/roots/{{node}}/nvme/mnt"
 """)
     config.chmod(0o644)
+    (base / "peer.key").write_bytes(os.urandom(32))
+    (base / "peer.key").chmod(0o600)
     cluster = SlurmCluster(hooks_python=sys.executable, hook_env={"STAGINGLOADER_CONFIG": str(config),
                                                                    "PYTHONPATH": str(REPO)})
     with mounted_tmpfs(base / "roots" / "n1" / "nvme", "1m"), mounted_tmpfs(base / "roots" / "n2" / "nvme", "1m"):
@@ -236,6 +241,37 @@ def test_two_node_job_with_node_shards(site: Site) -> None:
         assert r["files"] == [everything[i] for i in files_for_node(everything, int(r["nodeid"]), 2)]
         seen += r["files"]
     assert sorted(seen) == everything  # every file exactly once across the nodes
+    site.cluster.wait_epilogs()
+    assert set(site.cluster.node_states().values()) == {"idle"}
+
+
+def test_two_node_job_with_peers_reads_the_source_once(site: Site) -> None:
+    """``peers=yes``: the prologs of both nodes meet (the job's node list, a port from the job id, the site's key),
+    each file is read from the source by one node, and each node's task finds the whole dataset."""
+    src = site.sources / "data"
+    task = site.out / "peers_task.py"
+    task.write_text(NODE_TASK)
+    script = site.out / "peers.sh"
+    script.write_text(f"#!/bin/sh\nsrun --ntasks-per-node=1 sh -c '{sys.executable} {task} "
+                      f"{site.out}/peers-$SLURMD_NODENAME.json'\n")
+    script.chmod(0o755)
+    job = site.cluster.sbatch(str(script), "-N", "2", "--comment", f"stage={src};peers=yes",
+                              f"--output={site.out}/peers.log", user=site.user)
+    assert site.cluster.wait_job(job) == "COMPLETED", (site.job_log("peers"), site.cluster.logs())
+    everything = sorted(tree_digests(src))
+    read = 0
+    for node in ("n1", "n2"):
+        r = json.loads((site.out / f"peers-{node}.json").read_text())
+        assert r["status"] == "ok", (r, site.hook_log(node, job))
+        assert r["files"] == everything
+        assert r["digests"] == tree_digests(src)
+        log = site.hook_log(node, job)
+        m = __import__("re").search(r"with peers: node \d of 2, (\d+) files read from the source, (\d+) from peers",
+                                    log)
+        assert m, log
+        read += int(m.group(1))
+        assert int(m.group(1)) + int(m.group(2)) == len(everything)
+    assert read == len(everything)  # each file read from the source once, by one of the two nodes
     site.cluster.wait_epilogs()
     assert set(site.cluster.node_states().values()) == {"idle"}
 

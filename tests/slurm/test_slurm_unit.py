@@ -64,10 +64,19 @@ def test_comment_requests() -> None:
     ("stage=", "needs a source"),
     ("stage=/a\x01b", "control"),
     ("stage=/a;junk", "KEY=VALUE"),
+    ("stage=/a;peers=maybe", "peers='maybe'"),
+    ("stage=/a;peers=yes;shard=node", "drop one of them"),
+    ("stage=/a;peers=yes;wait=no", "not built yet"),
 ])
 def test_bad_comments(comment: str, match: str) -> None:
     with pytest.raises(UsageError, match=match):
         parse_comment(comment)
+
+
+def test_peers_requests() -> None:
+    reqs, _ = parse_comment("stage=/nfs/a;peers=yes;stage=/nfs/b")
+    assert [r.peers for r in reqs] == [True, False]
+    assert parse_spec('[[stage]]\nsrc = "/a"\npeers = "yes"\n') == [StageRequest(src="/a", peers=True)]
 
 
 def test_is_request() -> None:
