@@ -11,6 +11,7 @@ the source once, and pass it to each other (see the package doc).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -35,7 +36,7 @@ from ..staging.result import StagedDataset
 from . import wire
 from .channels import Channels
 from .exchange import Exchange, Figures, Local, wait_for
-from .world import JoinError, Meeting, World, default_group_ready, join, join_default_group, meeting
+from .world import JoinError, Meeting, World, default_group_ready, join, join_default_group, meeting, wait_for_node
 
 log = logging.getLogger(__name__)
 
@@ -65,41 +66,60 @@ def stage_with_peers(src: str, opts: st.StageOptions, *, env: Mapping[str, str],
     tag = dataset_key(st.dataset_identity(Source(src, opts.storage_options), opts))
     if secret is None:
         secret = wire.user_secret(env)
-    try:
-        world = _world(env, where, tag, timeout)
-    except JoinError as e:
-        return alone(str(e))
-    if world is None:  # another local rank of a node: its local rank 0 stages with the peers; the lock waits
-        say("peers: local rank 0 of this node stages with the other nodes; waiting for it")
+
+    def plain() -> StagedDataset:  # a node's other local ranks, once their local rank 0 is done: they reuse it
         return st.run_stage(src, opts, env=env, callback=callback, on_file=on_file, on_event=on_event,
                             holder_pid=holder_pid, renew_lease=renew_lease)
-    if world.nodes == 1:
+
+    def with_peers(world: World | None) -> StagedDataset:
+        if world is None:
+            return plain()
+        if world.nodes == 1:
+            return alone("the job has one node")
+        say(f"peers: node {world.node} of {world.nodes}, met through {world.how} (key: {secret[1]})")
+        node = _Node(src, opts, env, world, wire.job_key(secret[0], world.world_id), timeout, say)
+        try:
+            return node.stage(callback=callback, on_file=on_file, holder_pid=holder_pid, renew_lease=renew_lease)
+        except _NoPlan as e:
+            return alone(str(e))
+        finally:
+            node.close()
+
+    if where is None and default_group_ready():  # every rank takes part in making the groups
+        import torch.distributed as dist
+
+        from ..staging.distributed import run_once_per_node
+
+        world = join_default_group(dist, timeout=timeout, tag=tag)
+        return run_once_per_node(lambda: with_peers(world), env)
+    m = where or meeting(env)
+    if m.local_rank != 0:  # another local rank: its local rank 0 stages with the peers; then reuse its copy
+        say("peers: local rank 0 of this node stages with the other nodes; waiting for it")
+        heard = wait_for_node(m, tag=tag, timeout=timeout, patience=opts.lock_timeout or 7 * 86400.0)
+        if heard != "ok":
+            say(f"peers: local rank 0 of this node: {heard}")
+        return plain()
+    if m.nodes == 1:
         return alone("the job has one node")
-    say(f"peers: node {world.node} of {world.nodes}, met through {world.how} (key: {secret[1]})")
-    node = _Node(src, opts, env, world, wire.job_key(secret[0], world.world_id), timeout, say)
     try:
-        return node.stage(callback=callback, on_file=on_file, holder_pid=holder_pid, renew_lease=renew_lease)
-    except _NoPlan as e:
+        world = join(m, tag=tag, timeout=timeout)
+    except JoinError as e:
         return alone(str(e))
+    outcome = "failed"
+    try:
+        ds = with_peers(world)
+        outcome = "ok"
+        return ds
+    except BaseException as e:
+        outcome = f"failed: {type(e).__name__}: {e}"
+        raise
     finally:
-        node.close()
+        with contextlib.suppress(RuntimeError, OSError):  # this node's other local ranks wait for it
+            world.store.set(world.done_key, outcome)
 
 
 class _NoPlan(Exception):
     """Node 0 left before it sent the plan: nothing was exchanged, the node stages alone."""
-
-
-def _world(env: Mapping[str, str], where: Meeting | None, tag: str, timeout: float) -> World | None:
-    if where is None and default_group_ready():
-        import torch.distributed as dist
-
-        return join_default_group(dist, timeout=timeout, tag=tag)
-    m = where or meeting(env)
-    if m.local_rank != 0:
-        return None
-    if m.nodes == 1:
-        return World(pg=None, node=0, nodes=1, how=m.how, world_id="")
-    return join(m, tag=tag, timeout=timeout)
 
 
 class _Node:

@@ -50,6 +50,7 @@ class Meeting:
     local_rank: int  #: 0: this process takes part; others wait for it (the dataset's lock)
     job: str  #: the job's id where there is one (binds the key), else ""
     agent_store: bool = False  #: torchrun's agent hosts the store: connect to it, never host one
+    processes: int = 0  #: every process of the job that calls it (all ranks; 0: one per node)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class World:
     how: str
     world_id: str
     store: Any = None  #: kept alive while the group is used
+    done_key: str = ""  #: where this node says it is done, for its other local ranks
 
 
 def job_port(job_id: str) -> int:
@@ -85,7 +87,7 @@ def meeting(env: Mapping[str, str]) -> Meeting:
             node = rank // per_node
         return Meeting("torchrun's MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE", env["MASTER_ADDR"],
                        int(env["MASTER_PORT"]), node, max(1, world // per_node), local, job,
-                       agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+                       agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True", processes=world)
     procid, ntasks = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
     if procid is not None and ntasks and env.get("SLURM_JOB_NODELIST"):
         from ..slurm.nodelist import expand
@@ -97,7 +99,8 @@ def meeting(env: Mapping[str, str]) -> Meeting:
         where = "MASTER_PORT" if port is not None else f"port {job_port(job)} from the job id"
         return Meeting(f"srun's SLURM_PROCID, SLURM_NTASKS and the first node of SLURM_JOB_NODELIST ({first}, "
                        f"{where})", env.get("MASTER_ADDR") or first, port if port is not None else job_port(job),
-                       procid if node is None else node, nodes, _int(env, "SLURM_LOCALID") or 0, job)
+                       procid if node is None else node, nodes, _int(env, "SLURM_LOCALID") or 0, job,
+                       processes=ntasks)
     raise UsageError("--peers needs to know the job's nodes: run it under torchrun (MASTER_ADDR, MASTER_PORT, RANK, "
                      "WORLD_SIZE) or srun (one task per node), or from a process that has called "
                      "torch.distributed.init_process_group")
@@ -118,17 +121,38 @@ def join(m: Meeting, *, tag: str, timeout: float) -> World:
 
     wait = timedelta(seconds=timeout)
     try:
-        store = _store(dist, m, wait)
-        count = int(store.add(f"stagingloader/peers/{tag}/joins", 1))
-        run = (count - 1) // m.nodes  # the n-th stage of this dataset in this store: its keys, not the last one's
+        store, run = _arrive(dist, m, tag, wait)
         prefixed = dist.PrefixStore(  # type: ignore[attr-defined]
-            f"stagingloader/peers/{tag}/{run}", store)
+            f"stagingloader/peers/{tag}/{run}/group", store)
         pg = dist.ProcessGroupGloo(prefixed, m.node, m.nodes, wait)  # the time to meet: every wait names its own
     except (RuntimeError, OSError, ValueError) as e:  # DistStoreError, DistNetworkError: RuntimeError's
         raise JoinError(f"could not meet the other {m.nodes - 1} nodes at {m.addr}:{m.port} within "
                         f"{timeout:g} s ({_first_line(e)})") from None
     world_id = f"{m.addr}:{m.port}:{m.job}:{tag}:{run}"
-    return World(pg=pg, node=m.node, nodes=m.nodes, how=m.how, world_id=world_id, store=store)
+    return World(pg=pg, node=m.node, nodes=m.nodes, how=m.how, world_id=world_id, store=store,
+                 done_key=f"stagingloader/peers/{tag}/{run}/done/{m.node}")
+
+
+def _arrive(dist: Any, m: Meeting, tag: str, wait: timedelta) -> tuple[Any, int]:
+    """Connect to the job's store and count this process in: the n-th stage of this dataset in this store has
+    keys of its own (``run``), not the last one's."""
+    store = _store(dist, m, wait)
+    count = int(store.add(f"stagingloader/peers/{tag}/arrivals", 1))
+    return store, (count - 1) // max(1, m.processes or m.nodes)
+
+
+def wait_for_node(m: Meeting, *, tag: str, timeout: float, patience: float) -> str:
+    """Another local rank of a node: wait (up to ``patience`` seconds) until this node's local rank 0 has staged
+    with the peers; what it said ("ok", or why it failed), or why we stopped waiting."""
+    import torch.distributed as dist
+
+    try:
+        store, run = _arrive(dist, m, tag, timedelta(seconds=timeout))
+        key = f"stagingloader/peers/{tag}/{run}/done/{m.node}"
+        store.wait([key], timedelta(seconds=patience))
+        return bytes(store.get(key)).decode(errors="replace")
+    except (RuntimeError, OSError, ValueError) as e:
+        return f"did not hear from local rank 0 ({_first_line(e)})"
 
 
 def _store(dist: Any, m: Meeting, wait: timedelta) -> Any:
@@ -162,4 +186,4 @@ def _first_line(e: BaseException) -> str:
 
 
 __all__ = ["JoinError", "Meeting", "World", "default_group_ready", "job_port", "join", "join_default_group",
-           "meeting"]
+           "meeting", "wait_for_node"]

@@ -174,3 +174,49 @@ def test_the_source_delivers_the_dataset_about_once_from_s3(s3_server: S3Server,
     for root in roots:
         data, _m = _staged(root)
         assert {str(p.relative_to(data)): p.read_bytes() for p in data.rglob("*") if p.is_file()} == want
+
+
+RANKS = """
+import json, os, socket, sys
+if sys.argv[3] == "torch":  # an initialised default group; each pair of ranks is one "node" (its own hostname)
+    socket.gethostname = lambda: f"node{int(os.environ['RANK']) // 2}"
+    import torch.distributed as dist
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
+import stagingloader as sl
+node = int(os.environ["RANK"]) // 2
+ds = sl.stage(sys.argv[1], root=f"{sys.argv[2]}/node{node}", peers=True, peer_timeout=20)
+print(json.dumps({"rank": os.environ["RANK"], "root": str(ds.root), "peers": ds.report.peers,
+                  "copied": ds.report.copied_files}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["torch", "env"])
+def test_several_ranks_per_node_one_takes_part(src: Path, tmp_path: Path, mode: str) -> None:
+    """Two nodes of two ranks each, from an initialised default group or torchrun's variables: local rank 0 of
+    each node stages with the other node, the other rank waits for it and gets the same copy."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    port = nd.free_port()
+    procs = []
+    for rank in range(4):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank % 2),
+               "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(rank // 2), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "STAGINGLOADER_PEER_KEY": "k", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        procs.append(subprocess.Popen([sys.executable, "-c", RANKS, str(src), str(tmp_path), mode], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        assert p.returncode == 0, stderr[-3000:]
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    leaders = [r for r in out if int(r["rank"]) % 2 == 0]
+    assert all(r["peers"] is not None and r["peers"]["nodes"] == 2 for r in leaders), leaders
+    assert sum(r["peers"]["from_source_files"] for r in leaders) == len(FILES)
+    for r in out:
+        assert r["root"] == next(x["root"] for x in leaders if int(x["rank"]) // 2 == int(r["rank"]) // 2)
+        if int(r["rank"]) % 2:
+            assert r["copied"] == 0  # it waited for its node's stage and reused it
+    _check_whole(src, [tmp_path / "node0", tmp_path / "node1"])
