@@ -1,10 +1,12 @@
-"""stagingloader.DataLoader against the peers a user would pick instead: mosaicml-streaming and litdata.
+"""stagingloader.DataLoader against the peer libraries a user would pick instead: mosaicml-streaming and litdata.
+
+(Not the node exchange of ``stage --peers``: that is benchmarks/bench_peers.py.)
 
 The peers live in a venv of their own (they would replace numpy/botocore/torch in ``.venv``)::
 
     python3 -m venv .venv-peers && .venv-peers/bin/pip install -r benchmarks/peers-requirements.txt
     .venv-peers/bin/pip uninstall -y torchvision   # PyPI's build needs CUDA torch: 'torchvision::nms does not exist'
-    .venv-peers/bin/python benchmarks/bench_peers.py --out /tmp/peers.json
+    .venv-peers/bin/python benchmarks/bench_libraries.py --out /tmp/libraries.json
 
 The data is bench_loader.py's: 20,000 files of 100 KiB in 10 class folders (``make_files``), made
 under ``/dev/shm/stagingloader-bench/peers/files`` (a folder of its own, so that a concurrent
@@ -69,7 +71,7 @@ def _stub_torchvision() -> None:
         pass
 
     def unavailable(*_a: Any, **_k: Any) -> Any:
-        raise RuntimeError("torchvision is not installed (stand-in from bench_peers.py)")
+        raise RuntimeError("torchvision is not installed (stand-in from bench_libraries.py)")
 
     datasets.VisionDataset = VisionDataset  # type: ignore[attr-defined]
     datasets.CIFAR10 = unavailable  # type: ignore[attr-defined]
