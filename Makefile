@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # torch is pinned: 2.13.0 is a CPU wheel on this project's machines; an open range pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo-setup demo test check lint bench bench-peers gpu-wheels clean
+.PHONY: setup demo-setup demo test check lint bench bench-libraries gpu-wheels clean
 
 setup: $(VENV)/.installed
 
@@ -47,10 +47,10 @@ bench: setup
 	$(BIN)/python benchmarks/bench_stage.py
 	$(BIN)/python benchmarks/bench_loader.py
 
-bench-peers:  # the loader against mosaicml-streaming and litdata, in a venv of their own
+bench-libraries:  # the loader against mosaicml-streaming and litdata, in a venv of their own
 	$(PY) -m venv .venv-peers
 	.venv-peers/bin/pip install -q -r benchmarks/peers-requirements.txt
-	.venv-peers/bin/python benchmarks/bench_peers.py
+	.venv-peers/bin/python benchmarks/bench_libraries.py
 
 gpu-wheels:  # what the GPU machine may lack (it has no network): carry .gpu-wheels there; gpu_check.sh installs them
 	for v in 3.10 3.11 3.12 3.13; do $(BIN)/pip download -q --only-binary=:all: --python-version $$v \

@@ -104,7 +104,7 @@ def run_peer(a: argparse.Namespace, out: dict[str, Any]) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     so = json.loads(a.so)
     _peer_env(so)
-    import bench_peers as P  # the torchvision stand-in, the conversions, MDSFiles
+    import bench_libraries as P  # the torchvision stand-in, the conversions, MDSFiles
     from bench_loader import TorchFiles
 
     torch.manual_seed(0)

@@ -65,6 +65,7 @@ BY_HAND: dict[str, tuple[str, ...]] = {
     "tests/docs/test_docs_run.py": ("root",),  # as root, each block runs in a mount namespace on a tmpfs of its own
     "tests/docs/test_install.py": ("network",),  # pip install . in a fresh venv, from PyPI
     "tests/staging/test_fault_campaign.py": ("root",),  # the campaign, a child process, mounts a small tmpfs
+    "tests/peers/test_bench_peers.py": ("s3",),  # the benchmark, a child process, starts its own S3 server
     # long (5 to 25 s each on a 2-core machine): left to `make test`
     "tests/staging/test_crash.py::test_sigkill_at_20_points_never_leaves_a_corrupt_file": ("slow",),
     "tests/cache/test_manifest.py::test_a_column_that_differs_from_the_listings_is_the_manifests_own[700000": ("slow",),
