@@ -92,6 +92,7 @@ class Exchange:
         self._names = itertools.count()
         self._failure: BaseException | None = None
         self._out: set[int] = set()  #: peers whose death or goodbye this loop has handled
+        self._progress = time.monotonic()  #: when a file last arrived (read or received)
         self._known: dict[int, tuple[int, int, str, str]] = {}  #: rows read or received by this run: their entries
 
     # ---- the receiving side (peers' receiver threads) -----------------------------------------
@@ -268,6 +269,8 @@ class Exchange:
 
     def _handle(self, ev: tuple[Any, ...]) -> None:
         kind = ev[0]
+        if kind in ("read", "got"):
+            self._progress = time.monotonic()
         if kind == "read":
             rows, nbytes = ev[1], ev[2]
             with self._lock:
@@ -316,13 +319,22 @@ class Exchange:
             self.owners[self._read(lack)] = self.me
 
     def _read_orphans(self) -> None:
-        """Rows whose owner left or is out (handled here, after any take-over), or nobody: this node reads them."""
+        """Rows this node lacks whose owner is this node (a take-over's, or a receive that failed), left or is
+        out (handled here, after any take-over), or nobody: this node reads them.  And if no file came for a
+        whole timeout while rows are missing (the nodes' views of who is out differ), it reads them all."""
+        stalled = time.monotonic() - self._progress > self.ch.timeout and not self._reading
         with self._lock:
-            orphan = self.owners < 0
+            orphan = (self.owners < 0) | (self.owners == self.me)
             if self._out:
                 orphan |= np.isin(self.owners, list(self._out))
+            if stalled:
+                orphan[:] = True
             lack = np.flatnonzero(self.need_me & ~self.have & orphan)
         if len(lack):
+            if stalled:
+                self.say(f"peers: no file came for {self.ch.timeout:g} s while {len(lack)} were missing; reading "
+                         "them from the source")
+                self._progress = time.monotonic()
             self.owners[self._read(lack)] = self.me
 
 
