@@ -4,7 +4,7 @@ A shared dataset is staged once per node, by root, into ``ROOT/shared`` where ev
 user reads from the copy exactly what she may read from the source only when everyone may read the source:
 every folder on the way to it lets others through (``o+x``), every folder in it lets others list it (``o+rx``),
 and every file lets others read it (``o+r``).  A source that fails this is refused as ``shared`` (by
-``stagingloader slurm check-config`` and by the prolog), naming the first path that fails and its mode.
+root's stager, for a ``shared`` source), naming the first path that fails and its mode.
 
 One walk of ``stat`` calls (``fstatat`` through each folder's descriptor, never opening a file), done as root: the
 same cost as the listing a private dataset's reuse check makes, where the old check opened every file as the user.

@@ -137,7 +137,7 @@ def broken_config(env: Mapping[str, str], hook: str, job: str, user: JobUser, er
     prolog, to the job (``failed: the site's stagingloader config is broken: ask your admin``)."""
     cfg = site_config.fallback(env)
     jobstate.node_log(cfg, f"stagingloader {hook}: job {job}: {error}; no staging on this node until it is fixed "
-                           "(check it with `stagingloader slurm check-config`)", slurmd_log=slurmd_log)
+                           "(docs/slurm.md, the site config)", slurmd_log=slurmd_log)
     if hook == "prolog":
         with contextlib.suppress(Exception):
             write_status(cfg, job, user, {"state": "failed", "reason": BROKEN_CONFIG, "datasets": []})

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -47,6 +48,8 @@ def node_log(cfg: site_config.SiteConfig, text: str, *, slurmd_log: str | None =
     in slurmd's log file (``slurmd_log``; else syslog), where the default ``SlurmdDebug`` shows it."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
     node = cfg.node or socket.gethostname()
+    with contextlib.suppress(OSError):  # and on stderr, which slurmd keeps too (at its debug levels)
+        print(f"stagingloader: {text}", file=sys.stderr, flush=True)
     with contextlib.suppress(OSError, CacheError):
         d = rootsafe.make_trusted_dir(cfg.path(cfg.log_dir), 0o755)
         dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
