@@ -221,18 +221,23 @@ def test_two_jobs_share_one_copy_and_the_first_epilog_keeps_it(site: Site) -> No
     assert site.cluster.node_states()["n1"] == "idle"
 
 
+def _two_node_job(site: Site, name: str, comment: str) -> tuple[str, list[dict[str, Any]]]:
+    """A job of both nodes whose step writes, on each node, what the task sees (NODE_TASK): n1's, then n2's."""
+    task = site.out / f"{name}_task.py"
+    task.write_text(NODE_TASK)
+    script = site.out / f"{name}.sh"
+    script.write_text(f"#!/bin/sh\nsrun --ntasks-per-node=1 sh -c '{sys.executable} {task} "
+                      f"{site.out}/{name}-$SLURMD_NODENAME.json'\n")
+    script.chmod(0o755)
+    job = site.cluster.sbatch(str(script), "-N", "2", "--comment", comment, f"--output={site.out}/{name}.log",
+                              user=site.user)
+    assert site.cluster.wait_job(job) == "COMPLETED", (site.job_log(name), site.cluster.logs())
+    return job, [json.loads((site.out / f"{name}-{n}.json").read_text()) for n in ("n1", "n2")]
+
+
 def test_two_node_job_with_node_shards(site: Site) -> None:
     src = site.sources / "data"
-    script = site.out / "shard.sh"
-    task = site.out / "shard_task.py"
-    task.write_text(NODE_TASK)
-    script.write_text(f"#!/bin/sh\nsrun --ntasks-per-node=1 sh -c '{sys.executable} {task} "
-                      f"{site.out}/shard-$SLURMD_NODENAME.json'\n")
-    script.chmod(0o755)
-    job = site.cluster.sbatch(str(script), "-N", "2", "--comment", f"stage={src};shard=node",
-                              f"--output={site.out}/shard.log", user=site.user)
-    assert site.cluster.wait_job(job) == "COMPLETED", (site.job_log("shard"), site.cluster.logs())
-    results = [json.loads((site.out / f"shard-{n}.json").read_text()) for n in ("n1", "n2")]
+    _job, results = _two_node_job(site, "shard", f"stage={src};shard=node")
     everything = sorted(tree_digests(src))
     seen: list[str] = []
     for r in results:
@@ -249,19 +254,10 @@ def test_two_node_job_with_peers_reads_the_source_once(site: Site) -> None:
     """``peers=yes``: the prologs of both nodes meet (the job's node list, a port from the job id, the site's key),
     each file is read from the source by one node, and each node's task finds the whole dataset."""
     src = site.sources / "data"
-    task = site.out / "peers_task.py"
-    task.write_text(NODE_TASK)
-    script = site.out / "peers.sh"
-    script.write_text(f"#!/bin/sh\nsrun --ntasks-per-node=1 sh -c '{sys.executable} {task} "
-                      f"{site.out}/peers-$SLURMD_NODENAME.json'\n")
-    script.chmod(0o755)
-    job = site.cluster.sbatch(str(script), "-N", "2", "--comment", f"stage={src};peers=yes",
-                              f"--output={site.out}/peers.log", user=site.user)
-    assert site.cluster.wait_job(job) == "COMPLETED", (site.job_log("peers"), site.cluster.logs())
+    job, results = _two_node_job(site, "peers", f"stage={src};peers=yes")
     everything = sorted(tree_digests(src))
     read = 0
-    for node in ("n1", "n2"):
-        r = json.loads((site.out / f"peers-{node}.json").read_text())
+    for node, r in zip(("n1", "n2"), results):
         assert r["status"] == "ok", (r, site.hook_log(node, job))
         assert r["files"] == everything
         assert r["digests"] == tree_digests(src)
