@@ -32,7 +32,6 @@ class Outgoing:
 
     fields: dict[str, Any]
     payload: bytes | tuple[str, int] | None = None
-    done: Callable[[bool], None] | None = None  #: told whether it was sent
 
 
 @dataclass
@@ -134,15 +133,14 @@ class Channels:
         _STUCK.extend(t for t in self._threads if t.is_alive())
 
     # ---- sending ---------------------------------------------------------------------------
-    def post(self, rank: int, fields: dict[str, Any], payload: bytes | tuple[str, int] | None = None,
-             done: Callable[[bool], None] | None = None) -> bool:
+    def post(self, rank: int, fields: dict[str, Any], payload: bytes | tuple[str, int] | None = None) -> bool:
         """Queue a message to ``rank``; False if that peer is out."""
         p = self.peers[rank]
         with self._lock:
             if p.dead is not None or (p.gone and fields.get("k") != "bye"):
                 return False
             p.busy += 1
-        p.outbox.put(Outgoing(fields, payload, done))
+        p.outbox.put(Outgoing(fields, payload))
         return True
 
     def _send_loop(self, p: Peer) -> None:
@@ -160,7 +158,6 @@ class Channels:
                         p.busy += 1
                 if msg is None:
                     return
-                ok = False
                 try:
                     if seq > 0 and not p.hello.wait(timeout=self.timeout):
                         return  # its hello never came: the receiver side declares it dead
@@ -177,12 +174,9 @@ class Channels:
                     elif msg.payload is not None:
                         for at in range(0, len(msg.payload), self.chunk):
                             self._send(p, tensor, buf, msg.payload[at:at + self.chunk])
-                    ok = True
                 finally:
                     with self._lock:
                         p.busy -= 1
-                    if msg.done is not None:
-                        msg.done(ok)
                 if msg.fields.get("k") == "bye":
                     return  # it reads nothing from us after our goodbye
         except (RuntimeError, OSError) as e:

@@ -28,7 +28,6 @@ from ..cache.layout import safe_join
 from ..engine.copier import Copier, Progress, as_root_error
 from ..engine.incoming import Incoming
 from ..sources.listing import Listing
-from ..sources.source import Source
 from . import plan as pl
 from .channels import Channels, Peer
 from .wire import WireError
@@ -74,10 +73,10 @@ class Exchange:
     """One node's exchange (see the module doc): ``needs`` and ``holds`` are the (nodes, rows) masks every node
     sent; ``run()`` returns when this node has every row it needs and every live peer said goodbye."""
 
-    def __init__(self, channels: Channels, local: Local, source: Source, copier: Copier | None,
+    def __init__(self, channels: Channels, local: Local, copier: Copier | None,
                  needs: np.ndarray, holds: np.ndarray, *, progress: Progress, say: Callable[[str], None],
                  figures: Figures, inbox: queue.Queue[tuple[Any, ...]]) -> None:
-        self.ch, self.local, self.source, self.copier = channels, local, source, copier
+        self.ch, self.local, self.copier = channels, local, copier
         self.needs, self.holds = needs, holds
         self.me = channels.me
         self.sizes = local.listing.size

@@ -234,7 +234,7 @@ class _Node:
                             stop=threading.Event())
         local = Local(listing=listing, incoming=incoming, serve_dir=serve_dir, entry=_held_entries(run, lp),
                       expected=lp.expected, fsync=run.fsync)
-        self.exchange = ex = Exchange(ch, local, run.source, copier, needs, holds, progress=progress, say=self.say,
+        self.exchange = ex = Exchange(ch, local, copier, needs, holds, progress=progress, say=self.say,
                                       figures=figures, inbox=self.inbox)
         for ev in stash:
             self.inbox.put(ev)
