@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -26,6 +27,9 @@ HEAVY = ("torch", "numpy", "fsspec", "s3fs", "xxhash", "tqdm", "stagingloader.ca
 #: the standard library modules it may add (json, socket, dataclasses: 41 today): a bound that a stray import of a
 #: big package (asyncio, email, multiprocessing: tens of modules each) breaks
 MAX_EXTRA_MODULES = 60
+#: and, as CPU time past a bare interpreter's start, the generous margin issue 29 asks for: three times its 50 ms
+#: (a loaded CI machine measured 52 ms, fresh pages there cost CPU); the heavy path costs about 300 ms
+NOTHING_TO_DO_CPU = 0.150
 
 
 def _imported(argv: list[str], env: dict[str, str], **kw: object) -> set[str]:
@@ -38,10 +42,22 @@ def _imported(argv: list[str], env: dict[str, str], **kw: object) -> set[str]:
     return {line.rsplit("|", 1)[1].strip() for line in lines[1:]}  # the first is the table's heading
 
 
+def _cpu(argv: list[str], env: dict[str, str], **kw: object) -> float:
+    """The least CPU time (user + system) of three runs of ``argv``: what the command itself costs."""
+    best = float("inf")
+    for _ in range(3):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, cwd="/", timeout=60, **kw)  # type: ignore[call-overload]
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        assert proc.returncode == 0 and proc.stdout == "", (argv, proc.stdout, proc.stderr)
+        best = min(best, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return best
+
+
 @pytest.mark.parametrize("hook", ["prolog", "epilog", "task-prolog"])
 def test_a_hook_with_no_request_costs_next_to_nothing(hooks: Hooks, hook: str) -> None:  # noqa: F811
-    """What it imports, not a stopwatch: the standard library's few modules and the hooks' first look, none of
-    stagingloader's heavy parts (an import of numpy alone is 50 ms of CPU)."""
+    """What it imports: the standard library's few modules and the hooks' first look, none of stagingloader's heavy
+    parts (an import of numpy alone is 50 ms of CPU); and its CPU time, with a margin no loaded machine reaches."""
     env = hooks.env("just a note", 40)
     kw = {"user": hooks.user.pw_uid, "group": hooks.user.pw_gid, "extra_groups": []} if hook == "task-prolog" else {}
     bare = _imported([sys.executable, "-c", "pass"], env, **kw)
@@ -50,6 +66,9 @@ def test_a_hook_with_no_request_costs_next_to_nothing(hooks: Hooks, hook: str) -
     heavy = sorted(m for m in extra if any(m == h or m.startswith(h + ".") for h in HEAVY))
     assert not heavy, f"{hook} with nothing to do imported {heavy}"
     assert len(extra) <= MAX_EXTRA_MODULES, f"{hook}: {len(extra)} modules beyond a bare interpreter: {sorted(extra)}"
+    bare_cpu = _cpu([sys.executable, "-c", "pass"], env, **kw)
+    spent = _cpu([sys.executable, "-m", "stagingloader", "slurm", hook], env, **kw)
+    assert spent - bare_cpu < NOTHING_TO_DO_CPU, f"{hook}: {spent:.3f}s of CPU against {bare_cpu:.3f}s for a bare one"
 
 
 def test_a_shared_source_not_every_user_may_read_is_refused(hooks: Hooks) -> None:  # noqa: F811
