@@ -28,6 +28,13 @@ started.  Then a **kill** run: ``--kill-nodes`` nodes with --peers, node ``--kil
 the dataset's files are in its ``incoming/data``; the others must end whole, and the source's extra bytes over 1x
 are set against the killed node's share (1/N).
 
+Then **streaming** (``--stream-nodes``, the issue's "the first batch comes as soon as without peers"): N
+``stage --no-wait`` at once, with ``--peers`` or without (stream-peers, stream-independent); as each answers, a
+reader process on that node reads every file through ``StagedFiles`` (reading along the stream) in an order of its
+own.  Reported: the time from the start to each node's first batch (32 files read), to its last file, and to the
+last node's publication, and the bytes the source delivered.  (The stagers are detached: their CPU is not
+counted here.)
+
 Every node that ended (both modes, the kill run's survivors) is checked file by file against the source's digests
 (xxh3-128): a run whose output is wrong fails the benchmark.  The node processes run this checkout's stagingloader
 (PYTHONPATH is set to it, and checked).  Before measuring, the script waits (up to ``--max-wait`` s) for the 1-minute
@@ -209,6 +216,7 @@ class Bench:
     dataset_bytes: int
     files: int
     runs: list[dict[str, Any]] = field(default_factory=list)
+    streams: list[dict[str, Any]] = field(default_factory=list)
     counter: int = 0
 
     def fresh_roots(self, n: int) -> list[Path]:
@@ -307,8 +315,88 @@ class Bench:
         self.say(line(doc))
         return doc
 
+    def stream_run(self, mode: str, n: int) -> dict[str, Any]:
+        """N streaming stages at once (with peers or without), a reader on each node as soon as it answers."""
+        from stagingloader.cache.layout import DatasetDir
+
+        peers = mode == "stream-peers"
+        roots = self.fresh_roots(n)
+        port = free_port()
+        envs = [node_env(self.env, rank=i, world=n, port=port) if peers else node_env(self.env) for i in range(n)]
+        time.sleep(self.a.settle)
+        load = os.getloadavg()[0]
+        before = self.proxy.response_bytes
+        wall0 = time.time()
+        cluster = Cluster(lambda rank, root: [*self.stage_cmd(root, peers), "--no-wait"], roots, envs)
+        readers: dict[int, subprocess.Popen[str]] = {}
+        while len(readers) < n:
+            cluster.poll()
+            for node in cluster.nodes:
+                if node.rc is None or node.rank in readers:
+                    continue
+                if node.rc != 0:
+                    raise RuntimeError(f"{mode} N={n}: node {node.rank} exited {node.rc}\n"
+                                       f"{node.err.read_text(errors='replace')[-3000:]}")
+                node.result = json.loads(node.out.read_text())
+                readers[node.rank] = subprocess.Popen(
+                    [sys.executable, "-c", READER, node.result["dataset_dir"], repr(wall0), str(node.rank)],
+                    env=envs[node.rank], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            time.sleep(0.005)
+        answered = max(n.ended or 0.0 for n in cluster.nodes) - cluster.t0
+        read: dict[int, dict[str, Any]] = {}
+        for rank, proc in readers.items():
+            out, err = proc.communicate(timeout=self.a.run_timeout)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{mode} N={n}: the reader of node {rank} exited {proc.returncode}\n{err[-3000:]}")
+            read[rank] = json.loads(out.strip().splitlines()[-1])
+        deadline = time.monotonic() + self.a.run_timeout
+        for node in cluster.nodes:
+            assert node.result is not None
+            ddir = DatasetDir(Path(node.result["dataset_dir"]))
+            while ddir.current() != node.result["version"]:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{mode} N={n}: node {node.rank} did not publish")
+                time.sleep(0.02)
+        published = time.time() - wall0
+        delivered = self.proxy.response_bytes - before
+        for node in cluster.nodes:
+            assert node.result is not None
+            node.result["root"] = str(DatasetDir(Path(node.result["dataset_dir"])).version_dir(
+                node.result["version"]) / "data")
+            self.verify(node)
+            if read[node.rank]["bytes"] != self.dataset_bytes:
+                raise RuntimeError(f"{mode} N={n}: node {node.rank}'s reader read {read[node.rank]['bytes']} bytes")
+        doc = {"mode": mode, "nodes": n, "load1": round(load, 2), "answered_s": round(answered, 3),
+               "first_batch_s": round(max(r["first_batch_s"] for r in read.values()), 3),
+               "first_batch_s_nodes": [round(read[k]["first_batch_s"], 3) for k in sorted(read)],
+               "all_read_s": round(max(r["all_s"] for r in read.values()), 3),
+               "published_s": round(published, 3), "source_bytes": delivered,
+               "source_x": round(delivered / self.dataset_bytes, 3), "verified": True}
+        B.rm_rf(roots[0].parent)
+        self.streams.append(doc)
+        self.say(f"  N={n} {mode:<18} first batch {doc['first_batch_s']:6.2f} s  all read {doc['all_read_s']:6.2f} s"
+                 f"  published {doc['published_s']:6.2f} s  source {doc['source_x']:5.2f}x  load {load:4.2f}")
+        return doc
+
     def say(self, text: str) -> None:
         print(text, flush=True)
+
+
+#: a node's reader: every file through StagedFiles (reading along the stream), in an order of its own
+READER = """
+import json, random, sys, time
+import stagingloader as sl
+files = sl.StagedFiles(sys.argv[1], decode="bytes", labels=False)
+t0 = float(sys.argv[2])
+order = list(range(len(files)))
+random.Random(int(sys.argv[3])).shuffle(order)
+first, n = None, 0
+for k, i in enumerate(order):
+    n += len(files[i])
+    if k + 1 == min(32, len(order)):
+        first = time.time() - t0
+print(json.dumps({"first_batch_s": first, "all_s": time.time() - t0, "bytes": n}))
+"""
 
 
 def proc_cpu(pid: int | None) -> float:
@@ -415,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-nodes", type=int, default=None, help="nodes of the kill run (default 4; quick 3; "
                                                                  "0: no kill run)")
     ap.add_argument("--kill-node", type=int, default=1, help="the rank killed in the kill run")
+    ap.add_argument("--stream-nodes", type=int, default=None, help="nodes of the streaming runs (default 4; quick 2; "
+                                                                   "0: none)")
     ap.add_argument("--peer-timeout", type=float, default=60.0, help="--peer-timeout of the nodes")
     ap.add_argument("--run-timeout", type=float, default=1800.0, help="give up on a run after this many seconds")
     ap.add_argument("--max-load", type=float, default=1.0, help="wait for the 1-minute load to drop under this")
@@ -430,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     cap = parse_size(a.cap or ("20M" if a.quick else "40M"))
     repeats = a.repeats if a.repeats is not None else (1 if a.quick else 2)
     kill_nodes = a.kill_nodes if a.kill_nodes is not None else (3 if a.quick else 4)
+    stream_nodes = a.stream_nodes if a.stream_nodes is not None else (2 if a.quick else 4)
     if a.quick:
         a.settle = min(a.settle, 0.5)
 
@@ -488,8 +579,16 @@ def main(argv: list[str] | None = None) -> int:
                     if not 0 <= a.kill_node < kill_nodes:
                         raise SystemExit(f"--kill-node {a.kill_node} is not a rank of {kill_nodes} nodes")
                     bench.run("kill", kill_nodes, kill=a.kill_node)
+                for rep in range(repeats if stream_nodes else 0):
+                    order = ["stream-independent", "stream-peers"] if rep % 2 == 0 else \
+                        ["stream-peers", "stream-independent"]
+                    for mode in order:
+                        bench.stream_run(mode, stream_nodes)
+                    res["streams"] = bench.streams
+                    B.dump_json(a.out, res)
             finally:
                 res["runs"] = bench.runs
+                res["streams"] = bench.streams
                 B.rm_rf(a.base)
     rows, ratios = summarise(bench.runs)
     res["ratios"] = ratios
@@ -500,12 +599,18 @@ def main(argv: list[str] | None = None) -> int:
     rt = B.markdown_table(["nodes", "peers / independent: time", "source bytes", "CPU s"],
                           [[str(r["nodes"]), B.fmt_ratio(r["time_ratio"]), B.fmt_ratio(r["source_ratio"]),
                             B.fmt_ratio(r["cpu_ratio"])] for r in ratios])
+    st = B.markdown_table(["nodes", "mode", "answered s", "first batch s (slowest node)", "all read s",
+                           "published s", "source delivered", "load"],
+                          [[str(r["nodes"]), r["mode"], B.fmt_s(r["answered_s"]), B.fmt_s(r["first_batch_s"]),
+                            B.fmt_s(r["all_read_s"]), B.fmt_s(r["published_s"]), f"{r['source_x']:.2f}x",
+                            f"{r['load1']:.2f}"] for r in bench.streams])
     head = (f"{len(want)} files, {dataset_bytes / MB:.1f} MB; source {cap / MB:g} MB/s through the proxy; "
             f"commit {res['package']['commit']}")
-    Path(a.out).with_suffix(".md").write_text(f"command: {res['command']}\n{head}\n\n{table}\n\n{rt}\n")
+    Path(a.out).with_suffix(".md").write_text(f"command: {res['command']}\n{head}\n\n{table}\n\n{rt}\n\n{st}\n")
     print(head)
     print(table)
     print(rt)
+    print(st)
     return 0
 
 

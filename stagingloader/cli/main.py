@@ -239,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--peers", action="store_true",
                    help="stage together with the job's other nodes (run once per node, under srun or torchrun): "
                         "each file is read from SRC by one node and passed to the others, hashed on arrival; every "
-                        "node ends with the same verified copy (docs/peers.md)")
+                        "node ends with the same verified copy; with --no-wait each node streams, and a file one "
+                        "node read reaches the others' readers without a second read (docs/peers.md)")
     s.add_argument("--peer-timeout", type=_seconds, default=120.0, metavar="SECONDS",
                    help="with --peers: how long to wait for the other nodes to join, and for a silent node before "
                         "its share is read from SRC instead (default: 120)")

@@ -131,6 +131,7 @@ class Incoming:
         if not done:
             return
         lines = journal_lines(done)
+        recorded = done  #: every file, for on_record (those track() did not hand out too)
         with self._lock:
             pending = self._pending
             rows = [pending.pop(t[0], -1) for t in done]
@@ -158,7 +159,7 @@ class Incoming:
         if due:
             self.flush()
         if self.on_record is not None:
-            self.on_record(entries if entries is not None else [Entry(*t) for t in done])
+            self.on_record(entries if entries is not None else [Entry(*t) for t in recorded])
 
     def journal(self, entries: list[Entry]) -> None:
         """Journal ``entries`` without filing them (files whose entries the caller already holds: hard links)."""

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -69,14 +69,46 @@ class Local:
     fsync: bool
 
 
+class ReadOrder(Protocol):
+    """What the exchange's copier reads from the source next (:class:`Reads`, or a streaming run's schedule)."""
+
+    def add(self, rows: list[int]) -> None: ...
+    def files(self) -> Iterator[Any]: ...
+    def close(self) -> None: ...
+
+
+class Reads:
+    """The rows this node reads from the source, in the order it was told them: the copier's feed.  A streaming
+    stage with peers reads in its readers' order instead (:class:`.streamrun.ScheduledReads`)."""
+
+    def __init__(self, listing: Listing) -> None:
+        self.listing = listing
+        self._q: queue.Queue[int | None] = queue.Queue()
+
+    def add(self, rows: list[int]) -> None:
+        for r in rows:
+            self._q.put(r)
+
+    def files(self) -> Iterator[Any]:
+        while True:
+            row = self._q.get()
+            if row is None:
+                return
+            yield self.listing.row(row)
+
+    def close(self) -> None:
+        self._q.put(None)
+
+
 class Exchange:
     """One node's exchange (see the module doc): ``needs`` and ``holds`` are the (nodes, rows) masks every node
     sent; ``run()`` returns when this node has every row it needs and every live peer said goodbye."""
 
     def __init__(self, channels: Channels, local: Local, copier: Copier | None,
                  needs: np.ndarray, holds: np.ndarray, *, progress: Progress, say: Callable[[str], None],
-                 figures: Figures, inbox: queue.Queue[tuple[Any, ...]]) -> None:
+                 figures: Figures, inbox: queue.Queue[tuple[Any, ...]], reads: ReadOrder | None = None) -> None:
         self.ch, self.local, self.copier = channels, local, copier
+        self.reads: ReadOrder = reads or Reads(local.listing)
         self.needs, self.holds = needs, holds
         self.me = channels.me
         self.sizes = local.listing.size
@@ -87,7 +119,6 @@ class Exchange:
         self._lock = threading.Lock()
         self._receiving: set[int] = set()
         self._reading: set[int] = set()
-        self._read_q: queue.Queue[int | None] = queue.Queue()
         self._names = itertools.count()
         self._failure: BaseException | None = None
         self._out: set[int] = set()  #: peers whose death or goodbye this loop has handled
@@ -202,17 +233,8 @@ class Exchange:
             fresh = [r for r in rows.tolist() if not self.have[r] and r not in self._reading
                      and r not in self._receiving]
             self._reading.update(fresh)
-        for r in fresh:
-            self._read_q.put(r)
+        self.reads.add(fresh)
         return fresh
-
-    def _files_to_read(self) -> Iterator[Any]:
-        listing = self.local.listing
-        while True:
-            row = self._read_q.get()
-            if row is None:
-                return
-            yield listing.row(row)
 
     def _copy(self) -> None:
         assert self.copier is not None
@@ -225,12 +247,14 @@ class Exchange:
             self.inbox.put(("read", rows, sum(e.size for e in entries)))
 
         try:
-            self.copier.run(self._files_to_read(), on_done=done)
+            self.copier.run(self.reads.files(), on_done=done)
         except BaseException as e:  # told to the main loop, which raises it
             self.inbox.put(("failed", e))
 
     # ---- the main loop ---------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Until this node is whole and every peer is done (or ``stop``: a streaming run told to stop leaves at
+        once, its peers read what they expected from it)."""
         mine = pl.rows_from(self.owners, self.me, np.asarray(self.needs.any(axis=0)))
         self._serve(mine[self.have[mine]])
         copier = None
@@ -240,7 +264,7 @@ class Exchange:
             self._read(mine[~self.have[mine]])
         said_bye = False
         try:
-            while True:
+            while stop is None or not stop.is_set():
                 self.ch.check()
                 with contextlib.suppress(queue.Empty):
                     self._handle(self.inbox.get(timeout=0.2))
@@ -253,7 +277,7 @@ class Exchange:
                 if said_bye and not self.ch.live_peers() and self.ch.drained():
                     break  # every peer left or is out, and our goodbyes went out
         finally:
-            self._read_q.put(None)
+            self.reads.close()
             if copier is not None:
                 if self._failure is not None and self.copier is not None:
                     self.copier.stop.set()
@@ -378,4 +402,4 @@ def wait_for(inbox: queue.Queue[tuple[Any, ...]], kind: str, ranks: list[int], c
     return got
 
 
-__all__ = ["Exchange", "Figures", "Local", "wait_for"]
+__all__ = ["Exchange", "Figures", "Local", "ReadOrder", "Reads", "wait_for"]

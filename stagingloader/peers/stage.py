@@ -77,10 +77,12 @@ def stage_with_peers(src: str, opts: st.StageOptions, *, env: Mapping[str, str],
         if world.nodes == 1:
             return alone("the job has one node")
         say(f"peers: node {world.node} of {world.nodes}, met through {world.how} (key: {secret[1]})")
-        node = _Node(src, opts, env, world, wire.job_key(secret[0], world.world_id), timeout, say)
+        node = PeerNode(src, opts, env, world, wire.job_key(secret[0], world.world_id), timeout, say)
         try:
-            return node.stage(callback=callback, on_file=on_file, holder_pid=holder_pid, renew_lease=renew_lease)
-        except _NoPlan as e:
+            ds: StagedDataset = node.stage(callback=callback, on_file=on_file, holder_pid=holder_pid,
+                                           renew_lease=renew_lease)
+            return ds
+        except NoPlan as e:
             return alone(str(e))
         finally:
             node.close()
@@ -118,11 +120,11 @@ def stage_with_peers(src: str, opts: st.StageOptions, *, env: Mapping[str, str],
             world.store.set(world.done_key, outcome)
 
 
-class _NoPlan(Exception):
+class NoPlan(Exception):
     """Node 0 left before it sent the plan: nothing was exchanged, the node stages alone."""
 
 
-class _Node:
+class PeerNode:
     """One node's stage with its peers."""
 
     def __init__(self, src: str, opts: st.StageOptions, env: Mapping[str, str], world: World, key: bytes,
@@ -152,8 +154,13 @@ class _Node:
     def close(self) -> None:
         self.ch.close()
 
-    def stage(self, *, callback: Any, on_file: Callable[[int], None] | None, holder_pid: int | None,
-              renew_lease: bool) -> StagedDataset:
+    def ready_for_files(self) -> None:
+        """The exchange is set up: the files peers send are taken from here on (they wait in the socket)."""
+        self._ready.set()
+
+    def stage(self, **kw: Any) -> Any:
+        """Meet, list (node 0) or receive the listing, take the dataset's lock, and run :meth:`_stage_locked`
+        with ``kw``."""
         ch, world = self.ch, self.world
         ch.start()
         stash: list[tuple[Any, ...]] = []
@@ -166,7 +173,7 @@ class _Node:
         else:
             got = wait_for(self.inbox, "plan", [0], ch, deadline, stash)
             if 0 not in got:
-                raise _NoPlan(f"node 0, which lists the source, is out before it sent the listing "
+                raise NoPlan(f"node 0, which lists the source, is out before it sent the listing "
                               f"({ch.peers[0].dead or 'it left'})")
             listing, identity0 = decode_listing(got[0])
             run, identity = st.open_run(self.src, self.opts, env=self.env, on_event=self.say, early_scan=True,
@@ -181,15 +188,36 @@ class _Node:
             st.own_folder(run, self.env)
             with DatasetLock(run.ddir.lock_file, timeout=self.opts.lock_timeout, on_wait=run.say):
                 st.own_folder(run)
-                return self._stage_locked(run, identity, stash, callback=callback, on_file=on_file,
-                                          holder_pid=holder_pid, renew_lease=renew_lease)
+                return self._stage_locked(run, identity, stash, **kw)
         finally:
             if run.early is not None:
                 run.early.close()
 
-    def _stage_locked(self, run: st.StageRun, identity: str, stash: list[tuple[Any, ...]], *, callback: Any,
-                      on_file: Callable[[int], None] | None, holder_pid: int | None,
-                      renew_lease: bool) -> StagedDataset:
+    def exchange_needs(self, need: np.ndarray, stash: list[tuple[Any, ...]]) -> tuple[np.ndarray, np.ndarray]:
+        """Tell every peer what this node needs (``need``) and holds (the rest); the (nodes, rows) masks of all."""
+        ch, world = self.ch, self.world
+        n = len(need)
+        hold = ~need
+        for p in ch.live_peers():
+            ch.post(p.rank, {"k": "needs"}, np.packbits(need).tobytes() + np.packbits(hold).tobytes())
+        got = wait_for(self.inbox, "needs", [p.rank for p in ch.live_peers()], ch,
+                       time.monotonic() + self.timeout, stash)
+        needs = np.zeros((world.nodes, n), dtype=bool)
+        holds = np.zeros((world.nodes, n), dtype=bool)
+        needs[world.node], holds[world.node] = need, hold
+        nb = (n + 7) // 8
+        for rank, payload in got.items():
+            if len(payload) != 2 * nb:
+                ch.declare_dead(ch.peers[rank], "it sent needs of another dataset's size")
+                continue
+            bits = np.unpackbits(np.frombuffer(payload, dtype=np.uint8))
+            needs[rank], holds[rank] = bits[:n].astype(bool), bits[nb * 8:nb * 8 + n].astype(bool)
+        return needs, holds
+
+    def _stage_locked(self, run: st.StageRun, identity: str, stash: list[tuple[Any, ...]], **kw: Any) -> Any:
+        """Under the dataset's lock: plan, exchange, publish (``kw``: :func:`stage_with_peers`' callback,
+        on_file, holder_pid, renew_lease)."""
+        callback, on_file, holder_pid, renew_lease = kw["callback"], kw["on_file"], kw["holder_pid"], kw["renew_lease"]
         ch, world, listing = self.ch, self.world, run.listing
         lp = st.plan_locked(run, identity)
         plan = lp.plan
@@ -211,28 +239,14 @@ class _Node:
                 pass
             serve_dir = incoming.data
             progress.set_size(int(listing.size[to_copy].sum()))
-        hold = ~need
-        for p in ch.live_peers():
-            ch.post(p.rank, {"k": "needs"}, np.packbits(need).tobytes() + np.packbits(hold).tobytes())
-        got = wait_for(self.inbox, "needs", [p.rank for p in ch.live_peers()], ch,
-                       time.monotonic() + self.timeout, stash)
-        needs = np.zeros((world.nodes, n), dtype=bool)
-        holds = np.zeros((world.nodes, n), dtype=bool)
-        needs[world.node], holds[world.node] = need, hold
-        nb = (n + 7) // 8
-        for rank, payload in got.items():
-            if len(payload) != 2 * nb:
-                ch.declare_dead(ch.peers[rank], "it sent needs of another dataset's size")
-                continue
-            bits = np.unpackbits(np.frombuffer(payload, dtype=np.uint8))
-            needs[rank], holds[rank] = bits[:n].astype(bool), bits[nb * 8:nb * 8 + n].astype(bool)
+        needs, holds = self.exchange_needs(need, stash)
         figures = Figures(world.nodes, world.node, world.how)
         copier = None
         if incoming is not None:
             settings = CopySettings(workers=run.workers, fsync=incoming.fsync, processes=run.opts.workers)
             copier = Copier(run.source, incoming, settings, expected=lp.expected, progress=progress,
                             stop=threading.Event())
-        local = Local(listing=listing, incoming=incoming, serve_dir=serve_dir, entry=_held_entries(run, lp),
+        local = Local(listing=listing, incoming=incoming, serve_dir=serve_dir, entry=held_entries(run, lp),
                       expected=lp.expected, fsync=run.fsync)
         self.exchange = ex = Exchange(ch, local, copier, needs, holds, progress=progress, say=self.say,
                                       figures=figures, inbox=self.inbox)
@@ -253,7 +267,7 @@ class _Node:
         else:
             manifest = st.publish_version(run, lp, version)
         ds = st.finish(run, lp, version, manifest, holder_pid=holder_pid, copier=copier, renew_lease=renew_lease)
-        self.say(f"peers: {_summary(figures)}")
+        self.say(f"peers: {summary(figures)}")
         if ds.report is not None:
             report = replace(ds.report, copied_bytes=figures.source_bytes + figures.peer_bytes,
                              peers=figures.to_dict())
@@ -261,7 +275,7 @@ class _Node:
         return ds
 
 
-def _held_entries(run: st.StageRun, lp: st.LockedPlan) -> Callable[[int], tuple[int, int, str, str]]:
+def held_entries(run: st.StageRun, lp: st.LockedPlan) -> Callable[[int], tuple[int, int, str, str]]:
     """row -> (size, mtime, etag, digest) of a file this node had before the run (its published version's, or
     what an interrupted run finished)."""
     listing, base = run.listing, lp.base
@@ -279,7 +293,7 @@ def _held_entries(run: st.StageRun, lp: st.LockedPlan) -> Callable[[int], tuple[
     return entry
 
 
-def _summary(f: Figures) -> str:
+def summary(f: Figures) -> str:
     from ..units import human_bytes
 
     out = f"; {len(f.out)} out ({', '.join(f'node {k}: {v}' for k, v in sorted(f.out.items()))})" if f.out else ""
@@ -317,4 +331,5 @@ def decode_listing(blob: bytes) -> tuple[Listing, str]:
         raise wire.WireError(f"a listing that does not decode: {e}") from None
 
 
-__all__ = ["DEFAULT_TIMEOUT", "decode_listing", "encode_listing", "stage_with_peers"]
+__all__ = ["DEFAULT_TIMEOUT", "NoPlan", "PeerNode", "decode_listing", "encode_listing", "held_entries",
+           "stage_with_peers", "summary"]

@@ -126,9 +126,9 @@ class StageOptions:
         if (not isinstance(self.peer_timeout, (int, float)) or isinstance(self.peer_timeout, bool)
                 or math.isnan(self.peer_timeout) or self.peer_timeout <= 0):
             raise UsageError(f"peer_timeout must be a number of seconds > 0, not {self.peer_timeout!r}")
-        if self.peers and not self.wait:
-            raise UsageError("peers=True blocks until every node has the dataset; streaming with peers "
-                             "(wait=False) is not built yet: drop one of them")
+        if self.peers and limit is not None:
+            raise UsageError("peers=True gives every node the whole dataset; a cache limit keeps a part of it, "
+                             "evicting what the other nodes may still want: drop one of them")
         if self.peers and self.distributed:
             raise UsageError("peers=True already stages once per node (local rank 0 of each node takes part, the "
                              "other ranks wait for it): drop distributed=True")

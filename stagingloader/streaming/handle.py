@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 STOP_SECONDS = 30.0
 _HERE = str(Path(__file__).resolve().parents[2])  # the stager runs this very copy of the package
 _MAIN = (f"import sys; sys.path.insert(0, {_HERE!r}); "
-         "from stagingloader.streaming.process import main; sys.exit(main())")
+         "from stagingloader.{module} import main; sys.exit(main())")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +55,8 @@ class Started:
 def start(req: StreamRequest, *, on_event: Callable[[str], None] | None = None,
           env: dict[str, str] | None = None) -> tuple[Started, subprocess.Popen[bytes] | None]:
     """Start a streaming stager for ``req`` and wait for its answer (after listing, planning, and the lock)."""
-    proc = subprocess.Popen([sys.executable, "-c", _MAIN], stdin=subprocess.PIPE,
+    module = "peers.streamrun" if req.opts.peers else "streaming.process"  # with peers: torch's room
+    proc = subprocess.Popen([sys.executable, "-c", _MAIN.replace("{module}", module)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
                             env=env)
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
@@ -76,6 +77,8 @@ def start(req: StreamRequest, *, on_event: Callable[[str], None] | None = None,
                                   cache_limit=r.get("cache_limit"), pid=r.get("pid"))
                 proc.stdout.close()
                 proc.stderr.close()
+                if r.get("serving"):  # up to date here, it serves the other nodes' stages, then ends by itself
+                    return started, None
                 if started.done or started.read_along:
                     proc.wait()
                     return started, None

@@ -78,7 +78,7 @@ from .protocol import (
     read_state,
     stream_dir,
 )
-from .schedule import Schedule
+from .schedule import Rows, Schedule
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def stream_stage(req: StreamRequest, *, tell: Callable[[dict[str, Any]], None], 
             tell({"ready": {"done": True, "dataset_dir": str(run.ddir.path), "version": version,
                             "lease": ds.lease}})
             return
-        _StreamRun(run, lp, req, tell=tell, stop=stop).run()
+        StreamRun(run, lp, req, tell=tell, stop=stop).run()
     finally:
         lock.release()
 
@@ -206,8 +206,10 @@ def _published_foreign(run: StageRun) -> dict[str, Any]:
     return {"done": True, "dataset_dir": str(run.ddir.path), "version": ds.version, "lease": None}
 
 
-class _StreamRun:
-    """One streaming run under the dataset's lock: set up the stream folder, answer, copy, publish."""
+class StreamRun:
+    """One streaming run under the dataset's lock: set up the stream folder, answer, copy, publish.  A stage with
+    peers (:mod:`stagingloader.peers.streamrun`) overrides :meth:`plan_rows`, :meth:`copy_all` and
+    :meth:`requests`: its rows come from the source or from the other nodes."""
 
     def __init__(self, run: StageRun, lp: LockedPlan, req: StreamRequest, *,
                  tell: Callable[[dict[str, Any]], None], stop: threading.Event) -> None:
@@ -225,6 +227,7 @@ class _StreamRun:
         self.lock = threading.Lock()  #: the schedule: the feed (copier's dispatcher) and the poller share it
         self.req_lock = threading.Lock()  #: the request reader, polled by both
         self._done = threading.Event()
+        self.feed_closed = threading.Event()  #: the copy ends: the feed yields no more
         self._poll_error: BaseException | None = None
         self.start_time = procid.start_time(os.getpid())
         self.lease: str | None = None
@@ -246,10 +249,11 @@ class _StreamRun:
         limit = self._limit(int(self.listing.size[is_ready].sum()))
         self.sched = Schedule(sizes, ready=ready, limit=limit)
         lp.incoming.on_record = self._recorded
+        self.plan_rows(np.flatnonzero(~is_ready))
         self.sdir.mkdir(mode=0o755, exist_ok=True)
         trust.check_folder(self.sdir, what="stream folder")
         StreamFiles(run.source.url, tuple(self.listing.path), tuple(sizes)).write(self.sdir)
-        self.requests = RequestReader(self.sdir, len(self.listing))
+        self.requests_reader = RequestReader(self.sdir, len(self.listing))
         self._write_state(COPYING, force=True)
         self.lease = take_lease(run, self.version, self.req.holder_pid)
         _note_job(self.sdir, self.req.opts.lease if self.lease is not None else None)
@@ -262,7 +266,7 @@ class _StreamRun:
         poller = threading.Thread(target=self._poll_loop, name="stagingloader-stream-poll", daemon=True)
         poller.start()
         try:
-            copier.run(self._files())
+            self.copy_all(copier)
             self._done.set()
             poller.join()
             if self._poll_error is not None:
@@ -288,6 +292,20 @@ class _StreamRun:
             lp.incoming.close()
             self._write_state(STOPPED, force=True, error=self._stopped_text())
             log.info("stopped (%s); the next stage of %s resumes", self._stopped_text(), run.source.url)
+
+    # ---- what a stage with peers changes ------------------------------------------------------------------
+    def plan_rows(self, rows: np.ndarray) -> None:
+        """``rows`` (listing order) are to be brought here; the schedule is made, nothing copied yet."""
+
+    def copy_all(self, copier: Copier) -> None:
+        """Copy every row the schedule picks, until it is finished or the run stops."""
+        copier.run(self.feed())
+
+    def requests(self) -> tuple[dict[str, Rows], dict[str, Rows], set[str], dict[str, int]]:
+        """The readers' new orders, urgent rows and departures, and every reader's position."""
+        with self.req_lock:
+            orders, urgent, gone = self.requests_reader.poll()
+            return orders, urgent, gone, dict(self.requests_reader.positions)
 
     def _stopped_text(self) -> str:
         if self.stop.is_set():
@@ -334,10 +352,10 @@ class _StreamRun:
         log.info("published %s of %s", self.version, run.source.url)
 
     # ---- the feed: what the copier copies next -----------------------------------------------------------
-    def _files(self) -> Iterator[SourceFile]:
+    def feed(self) -> Iterator[SourceFile]:
         """What the copier copies next (its dispatcher pulls this when a slot frees)."""
         sched = self.sched
-        while not self.stop.is_set():
+        while not self.stop.is_set() and not self.feed_closed.is_set():
             self._take_requests()  # the freshest order and urgent rows decide this pick
             with self.lock:
                 self._collect()
@@ -382,9 +400,7 @@ class _StreamRun:
 
     def _take_requests(self) -> bool:
         """Read the readers' files into the schedule; True if anything changed."""
-        with self.req_lock:
-            orders, urgent, gone = self.requests.poll()
-            positions = dict(self.requests.positions)
+        orders, urgent, gone, positions = self.requests()
         with self.lock:
             for reader in gone:
                 self.sched.forget(reader)
@@ -490,8 +506,12 @@ def _log_to(path: Path) -> None:
                         format="%(asctime)s %(process)d %(name)s: %(message)s")
 
 
-def main(stdin: TextIO | None = None) -> int:
-    """The process: read the request, answer on stdout (then nowhere), copy until done, stopped or failed."""
+Stage = Callable[..., None]  #: :func:`stream_stage`'s signature: (req, *, tell, stop)
+
+
+def main(stdin: TextIO | None = None, stage: Stage = stream_stage) -> int:
+    """The process: read the request, answer on stdout (then nowhere), copy until done, stopped or failed
+    (``stage``: :func:`stream_stage`, or a stage with peers')."""
     req = StreamRequest.from_json((stdin or sys.stdin).read())
     answer = os.fdopen(os.dup(1), "w", encoding="utf-8")
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -515,7 +535,7 @@ def main(stdin: TextIO | None = None) -> int:
                 answer.close()
 
     try:
-        stream_stage(req, tell=tell, stop=stop)
+        stage(req, tell=tell, stop=stop)
         if stop.is_set():  # stopped: a copy thread may still wait on a slow source; nothing is left to do
             _end_now([])
     except BaseException as e:

@@ -4,6 +4,8 @@
 - Then the readers' merged order from where each reader is (interleaved by position; this epoch's rest, then the
   next epoch's), so the copy stays ahead of every reader; until a reader publishes an order, listing order.
 - Without a cache limit, rows no reader asked for follow in listing order, and the run ends when all are ready.
+- Rows another node brings (a stage with peers: :meth:`Schedule.expect`) are never picked, until
+  :meth:`Schedule.release` gives them back (that node is out).
 - Under a cache limit a row is copied only if it fits, after evicting ready rows whose next use is further away
   than its own (Belady's rule: the row used furthest in the future, or never, goes first; the choice is
   :func:`.eviction.choose_victims`, a row's next use its place in the merged order).  Rows inside a reader's
@@ -69,6 +71,7 @@ class Schedule:
         self.min_window = min_window
         self.ready = np.zeros(n, dtype=bool)
         self.inflight = np.zeros(n, dtype=bool)
+        self.elsewhere = np.zeros(n, dtype=bool)  #: rows another node brings: never picked here
         self.ready[np.fromiter(ready, dtype=np.int64)] = True
         self.cached_bytes = int(self.sizes[self.ready].sum())
         self.inflight_bytes = 0
@@ -118,6 +121,21 @@ class Schedule:
             self.urgent.append(int(row))
             self._asked[int(row)] = reader
 
+    # ---- what the other nodes bring (a stage with peers) ------------------------------------------------------
+    def expect(self, rows: Rows) -> None:
+        """Another node brings ``rows`` (they arrive through :meth:`done`): never pick them here."""
+        rows = np.asarray(rows, dtype=np.int64)
+        self.elsewhere[rows[~self.ready[rows]]] = True
+
+    def release(self, rows: Rows) -> None:
+        """``rows`` are this node's to copy after all (the node that was to bring them is out)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        rows = rows[self.elsewhere[rows]]
+        if len(rows):
+            self.elsewhere[rows] = False
+            self._ptr = 0
+            self._tail = min(self._tail, int(rows.min()))
+
     # ---- what the copier says ------------------------------------------------------------------------------
     def done(self, rows: Iterable[int], clock: float | None = None) -> None:
         """``rows`` are copied, whole and verified."""
@@ -130,6 +148,7 @@ class Schedule:
             if self.inflight[row]:
                 self.inflight[row] = False
                 self.inflight_bytes -= int(self.sizes[row])
+            self.elsewhere[row] = False
             if not self.ready[row]:
                 self.ready[row] = True
                 self.cached_bytes += int(self.sizes[row])
@@ -172,7 +191,7 @@ class Schedule:
         self._refresh()
         while self.urgent:
             row = self.urgent[0]
-            if self.ready[row] or self.inflight[row]:
+            if self.ready[row] or self.inflight[row] or self.elsewhere[row]:
                 self.urgent.popleft()
                 continue
             room = self._make_room(row, beat=-1)
@@ -207,7 +226,7 @@ class Schedule:
         self._ptr = 0
 
     def _next_in_order(self) -> int | None:
-        merged, busy = self.merged, self.ready | self.inflight
+        merged, busy = self.merged, self.ready | self.inflight | self.elsewhere
         while self._ptr < len(merged):
             chunk = merged[self._ptr:self._ptr + SCAN]
             free = np.flatnonzero(~busy[chunk])
@@ -218,7 +237,7 @@ class Schedule:
         return None
 
     def _next_in_listing(self) -> int | None:
-        busy = self.ready | self.inflight
+        busy = self.ready | self.inflight | self.elsewhere
         n = len(busy)
         while self._tail < n:
             free = np.flatnonzero(~busy[self._tail:self._tail + SCAN])

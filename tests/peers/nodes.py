@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -61,10 +62,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(src: str, roots: Sequence[Path], *, args: Sequence[str] = (), timeout: float = 20.0,
+def start(src: str, roots: Sequence[Path], *, args: Sequence[str] = (), timeout: float = 60.0,
           env: dict[str, str] | None = None, evil: Sequence[int] = (), keys: dict[int, str] | None = None,
           world: int | None = None) -> list[Node]:
-    """Start one node per root (``world`` may say more nodes than are started: the others never come)."""
+    """Start one node per root (``world`` may say more nodes than are started: the others never come).
+    ``timeout``: generous, as the time to meet and plan is four torch imports on a loaded 2-core machine (a
+    node's death is noticed at once, by its closed sockets, whatever the timeout)."""
     port = free_port()
     nodes = []
     for rank, root in enumerate(roots):
@@ -99,6 +102,21 @@ def kill_when(node: Node, ready: Callable[[], bool], timeout: float = 120) -> bo
     while node.proc.poll() is None and time.monotonic() < deadline:
         if ready():
             node.proc.kill()
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def kill_pid_when(pid: int, ready: Callable[[], bool], timeout: float = 120) -> bool:
+    """SIGKILL process ``pid`` (a node's detached stager) once ``ready()`` holds (False if it ended first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        if ready():
+            os.kill(pid, signal.SIGKILL)
             return True
         time.sleep(0.01)
     return False

@@ -50,7 +50,9 @@ def test_every_node_ends_with_the_whole_dataset_read_once(src: Path, tmp_path: P
     results = nd.run(str(src), roots)
     _check_whole(src, roots)
     peers = [r["peers"] for r in results]
-    assert sum(p["from_source_files"] for p in peers) == len(FILES)  # each file read from the source once
+    # each file read from the source once
+    assert sum(p["from_source_files"] for p in peers) == len(FILES), [(p["from_source_files"], p["peers_out"])
+                                                                      for p in peers]
     assert sum(p["from_source_bytes"] for p in peers) == sum(FILES.values())
     for p in peers:
         assert p["from_source_files"] + p["from_peers_files"] == len(FILES)
@@ -149,11 +151,11 @@ def test_a_node_that_cannot_meet_its_peers_stages_alone_with_a_warning(src: Path
 def test_peers_refuse_what_cannot_apply(src: Path, tmp_path: Path) -> None:
     from tests.conftest import one_error, run_cli
 
-    proc = run_cli("stage", str(src), "--peers", "--root", str(tmp_path / "r"),
-                   env={"MASTER_ADDR": "", "RANK": "", "WORLD_SIZE": "", "SLURM_PROCID": "", "SLURM_NTASKS": ""})
-    one_error(proc, 2, "--peers needs to know the job's nodes", "srun")
-    proc = run_cli("stage", str(src), "--peers", "--no-wait", "--root", str(tmp_path / "r"))
-    one_error(proc, 2, "peers=True", "wait=False")
+    nowhere = {"MASTER_ADDR": "", "RANK": "", "WORLD_SIZE": "", "SLURM_PROCID": "", "SLURM_NTASKS": ""}
+    for streaming in ([], ["--no-wait"]):  # the streaming stager says it too, before it touches anything
+        proc = run_cli("stage", str(src), "--peers", *streaming, "--root", str(tmp_path / "r"), env=nowhere)
+        one_error(proc, 2, "--peers needs to know the job's nodes", "srun")
+        assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
 
 
 def test_the_source_delivers_the_dataset_about_once_from_s3(s3_server: S3Server, tmp_path: Path) -> None:

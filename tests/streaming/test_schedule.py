@@ -100,3 +100,19 @@ def test_a_row_copied_for_a_reader_stays_until_it_is_read() -> None:
     s.set_position("r0-1", 16)  # read past 15 (and 0): they may go now, 17 still waits for its reader
     pick = s.next()
     assert pick is not None and pick.row == 16 and set(pick.evict) <= {0, 15} and 17 in s.pinned
+
+
+def test_rows_another_node_brings_are_never_picked_until_released() -> None:
+    """A stage with peers: the rows other nodes bring arrive through done(); those of a node that is out are
+    released and picked here, in the readers' order, even behind where the order had got to."""
+    s = Schedule([1] * 8)
+    s.expect(np.array([1, 3, 5, 7], dtype=np.int64))
+    s.set_order("r0-1", np.array([7, 6, 5, 4, 3, 2, 1, 0], dtype=np.int64))
+    s.add_urgent("r0-1", np.array([5], dtype=np.int64))  # another node's row: not copied here
+    assert _drain(s, limit=3) == [6, 4, 2]
+    s.done([7])  # it arrived from its node
+    s.release(np.array([5, 3, 7], dtype=np.int64))  # its node is out: 5 and 3 are ours now (7 is here already)
+    assert _drain(s) == [5, 3, 0]
+    assert not s.finished and s.next() is None  # 1 still comes from a node in
+    s.done([1])
+    assert s.finished
