@@ -203,6 +203,10 @@ def _prolog(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, user:
             os.setsid()
             _detach_stdio(say)
             _supervise(env, cfg, job, user, requests, spec, say)
+        except KeyboardInterrupt:  # SIGTERM from the epilog at the job's end: its record stays "staging", as it was
+            code = 1
+            with contextlib.suppress(BaseException):
+                say("the stager was stopped (the job ended)")
         except BaseException as e:
             code = 1
             with contextlib.suppress(BaseException):

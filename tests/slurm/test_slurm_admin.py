@@ -173,6 +173,9 @@ def test_scancel_during_a_staging_prolog_stops_it(site: Site) -> None:
     assert "stopped the stager" in log, log
     assert site.cluster.node_states()["n2"] == "idle", site.cluster.logs()
     assert not (site.out / "cancel.json").exists()  # the job itself never ran
+    trail = [json.loads(x) for x in (site.base / "log" / "n2" / "trail.jsonl").read_text().splitlines()]
+    (line,) = [x for x in trail if x["job"] == job]
+    assert line["status"] == "stopped: the job ended while it staged", line  # the trail says so too
 
 
 def test_check_config_reads_prologepilogtimeout_from_slurmctld(site: Site) -> None:
