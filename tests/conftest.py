@@ -64,6 +64,8 @@ MODULE_NEEDS = {"tests.support.slurm": "root", "tests.support.flakyfs": "root"}
 BY_HAND: dict[str, tuple[str, ...]] = {
     "tests/docs/test_docs_run.py": ("root",),  # as root, each block runs in a mount namespace on a tmpfs of its own
     "tests/docs/test_install.py": ("network",),  # pip install . in a fresh venv, from PyPI
+    # the admin's offline install: pip wheel (from the index), then pip install in fresh venvs with no index
+    "tests/slurm/test_admin_docs.py::test_the_admins_install_check_dry_run_and_upgrade_blocks_run": ("network",),
     "tests/staging/test_fault_campaign.py": ("root",),  # the campaign, a child process, mounts a small tmpfs
     "tests/peers/test_bench_peers.py": ("s3",),  # the benchmark, a child process, starts its own S3 server
     # long (5 to 25 s each on a 2-core machine): left to `make test`

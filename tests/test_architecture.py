@@ -27,6 +27,7 @@ LAZY_LOADER_USERS = {
     "stagingloader/cli/main.py": "the `ckpt` subcommand's parser lives with the checkpoints (it loads no torch)",
     "stagingloader/cli/commands.py": "`stage --peers` runs the nodes' exchange (torch.distributed), loaded only then",
     "stagingloader/slurm/hooks.py": "peers=yes: the job's port and the site's key file (no torch), only then",
+    "stagingloader/slurm/preflight.py": "prolog --dry-run with peers=yes: the job's port (no torch), only then",
     "stagingloader/slurm/worker.py": "peers=yes: the nodes' exchange, loaded only then",
 }
 

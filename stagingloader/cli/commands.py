@@ -347,6 +347,11 @@ def cmd_manifest(args: argparse.Namespace) -> Result:
 
 
 def cmd_slurm(args: argparse.Namespace) -> Result:
+    if args.hook == "check-config" or args.dry_run:
+        return _slurm_admin(args)
+    if args.node or args.json:
+        raise UsageError(f"slurm {args.hook}: --node and --json go with check-config or prolog --dry-run; Slurm runs "
+                         f"the hook itself as `stagingloader slurm {args.hook}`")
     from ..slurm import hooks
 
     run = {"prolog": hooks.prolog, "epilog": hooks.epilog, "task-prolog": hooks.task_prolog}[args.hook]
@@ -354,6 +359,36 @@ def cmd_slurm(args: argparse.Namespace) -> Result:
         return run(dict(os.environ)), None
     except Exception:  # a hook must never fail a job or drain a node for an error of ours
         return ExitCode.OK, None
+
+
+def _slurm_admin(args: argparse.Namespace) -> Result:
+    """``slurm check-config`` and ``slurm prolog --dry-run``: exit 1 when the hooks would refuse or fail."""
+    from ..slurm import preflight
+
+    env = dict(os.environ)
+    if args.hook == "check-config":
+        if args.dry_run:
+            raise UsageError("slurm check-config writes nothing already: drop --dry-run")
+        if os.geteuid() != 0:
+            raise UsageError("slurm check-config checks what root's hooks will trust: run it as root "
+                             "(sudo stagingloader slurm check-config)")
+        node = args.node or preflight.node_name(env)
+        report = preflight.check_config(env, node=node)
+        if not args.json:
+            for finding in report.findings:
+                print(finding.text())
+            print(f"check-config: {report.config} for node {report.node}: {plural(report.errors, 'error')}, "
+                  f"{plural(report.warnings, 'warning')}")
+        return (ExitCode.VERIFY_FAILED if report.errors else ExitCode.OK), report.to_dict()
+    if args.hook != "prolog":
+        raise UsageError(f"--dry-run goes with the prolog only (stagingloader slurm prolog --dry-run), not {args.hook}")
+    if args.node:
+        raise UsageError("--node goes with check-config; the dry run's node is $SLURMD_NODENAME")
+    result = preflight.dry_run(env)
+    if not args.json:
+        print("\n".join(result["lines"]))
+    failed = result["would"] in ("fail", "drain")
+    return (ExitCode.VERIFY_FAILED if failed else ExitCode.OK), {"ok": not failed, **result}
 
 
 def cmd_demo(args: argparse.Namespace) -> Result:

@@ -349,13 +349,26 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("file", metavar="FILE", help="a JSON file written by loader.stats.save(path)")
     st.add_argument("--plot", metavar="PNG", help="write a timeline of the wait per step")
 
-    sl = sub.add_parser("slurm", help="the Slurm hooks: prolog, epilog, task-prolog (docs/slurm.md)",
+    sl = sub.add_parser("slurm", help="the Slurm hooks: prolog, epilog, task-prolog; check-config (docs/slurm.md)",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
                         description="Run as Slurm's Prolog, Epilog or TaskProlog. They read the job's request "
                                     "(--comment \"stage=SRC[;root=auto|tmpfs|nvme][;name=N]\") from the "
-                                    "environment Slurm gives them, and exit 0 for any problem of the job's own.")
-    sl.add_argument("hook", choices=("prolog", "epilog", "task-prolog"),
-                    help="which hook: prolog (stage, as root), epilog (release and evict), task-prolog (tell the job)")
-    sl.set_defaults(json=False, quiet=True, verbose=False)
+                                    "environment Slurm gives them, and exit 0 for any problem of the job's own.",
+                        epilog="for admins:\n"
+                               "  stagingloader slurm check-config [--node NAME]   check the site config, as root; "
+                               "exit 1 on an error\n"
+                               "  stagingloader slurm prolog --dry-run            with a job's environment: what the "
+                               "prolog would do, writing nothing")
+    sl.add_argument("hook", choices=("prolog", "epilog", "task-prolog", "check-config"),
+                    help="which hook: prolog (stage, as root), epilog (release and evict), task-prolog (tell the "
+                         "job); or check-config (the site config, checked as the hooks read it)")
+    sl.add_argument("--dry-run", action="store_true",
+                    help="with prolog: say what it would do for the job of this environment; write nothing")
+    sl.add_argument("--node", metavar="NAME",
+                    help="with check-config: the node whose paths to check ({node} in the site config; default: "
+                         "$SLURMD_NODENAME, else this host's name)")
+    sl.add_argument("--json", action="store_true", help="with check-config or --dry-run: one JSON document")
+    sl.set_defaults(quiet=True, verbose=False)
 
     d = sub.add_parser("demo", parents=[common],
                        help="the main job on a sample dataset: stage, reuse, verify, train, release",

@@ -9,6 +9,8 @@
     max_ram_fraction = 0.5
     shared = ["/nfs/datasets/imagenet"]       # staged once per node, readable by all
     peer_key = "/etc/stagingloader/peer.key"  # root's 0600 secret, the same on every node: peers=yes
+    trail = "/var/log/stagingloader/trail.jsonl"  # one JSON line per job per node (default: in log_dir; false: none)
+    log_retention_days = 30                   # the epilog removes per-job logs older than this (unset: keep all)
     [roots]
     tmpfs = "/dev/shm/stagingloader"
     nvme = "/local_scratch/stagingloader"
@@ -42,6 +44,11 @@ class SiteConfig:
     max_ram_fraction: float = 0.5
     #: root's secret (0600, the same on every node) from which each job's peers key is made (``peers=yes``)
     peer_key: str = "/etc/stagingloader/peer.key"
+    # -- the trail root owns (issue 29): per-job figures, and how long per-job logs stay --
+    #: one JSON line per job per node: "" is ``<log_dir>/trail.jsonl``, None (``trail = false``) is no trail
+    trail: str | None = ""
+    #: the epilog removes per-job logs (``<log_dir>/<id>.log`` and the users' copies) older than this; None: keep all
+    log_retention_days: float | None = None
     node: str = ""
 
     def path(self, template: str) -> Path:
@@ -61,8 +68,15 @@ class SiteConfig:
     def is_shared(self, src: str) -> bool:
         return src.rstrip("/") in {s.rstrip("/") for s in self.shared}
 
+    def trail_path(self) -> Path | None:
+        """Where the epilog appends the job's figures, or None when the site keeps no trail."""
+        if self.trail is None:
+            return None
+        return self.path(self.trail) if self.trail else self.path(self.log_dir) / "trail.jsonl"
 
-KEYS = ("roots", "shared", "log_dir", "state_dir", "budget_seconds", "keep_bytes", "max_ram_fraction", "peer_key")
+
+KEYS = ("roots", "shared", "log_dir", "state_dir", "budget_seconds", "keep_bytes", "max_ram_fraction", "peer_key",
+        "trail", "log_retention_days")  # the trail root owns
 
 
 def where(env: Mapping[str, str]) -> str:
@@ -138,7 +152,29 @@ def parse(data: Mapping[str, Any], path: str, env: Mapping[str, str]) -> SiteCon
             kw["keep_bytes"] = value if isinstance(value, int) else parse_bytes(str(value))
     except (ValueError, TypeError) as e:
         raise UsageError(f"site config {path}: {e}") from None
+    kw.update(_trail_keys(data, path))
     return SiteConfig(node=env.get("SLURMD_NODENAME", ""), **kw)
+
+
+def _trail_keys(data: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """``trail`` (an absolute path, or false) and ``log_retention_days`` (a number of days > 0)."""
+    kw: dict[str, Any] = {}
+    if "trail" in data:
+        trail = data["trail"]
+        if trail is False:
+            kw["trail"] = None
+        elif isinstance(trail, str) and trail.startswith("/") and not trail.endswith("/"):
+            kw["trail"] = trail
+        else:
+            raise UsageError(f"site config {path}: trail takes a file's absolute path, e.g. "
+                             f"trail = \"/var/log/stagingloader/trail.jsonl\", or false (no trail), not {trail!r}")
+    if "log_retention_days" in data:
+        days = data["log_retention_days"]
+        if isinstance(days, bool) or not isinstance(days, (int, float)) or not days > 0:
+            raise UsageError(f"site config {path}: log_retention_days takes a number of days > 0, e.g. "
+                             f"log_retention_days = 30 (leave it out to keep every log), not {days!r}")
+        kw["log_retention_days"] = float(days)
+    return kw
 
 
 def fallback(env: Mapping[str, str]) -> SiteConfig:

@@ -32,7 +32,7 @@ from ..cache.layout import DatasetDir
 from ..cache.leases import release
 from ..errors import CacheError, RootError, UsageError
 from . import config as site_config
-from . import jobstate, quick, rootsafe, slurmconf
+from . import jobstate, quick, rootsafe, slurmconf, trail
 from .identity import JobUser, run_worker
 from .jobstate import JobLog, write_status
 from .nodelist import expand, node_index
@@ -203,10 +203,14 @@ def _prolog(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, user:
             os.setsid()
             _detach_stdio(say)
             _supervise(env, cfg, job, user, requests, spec, say)
+        except KeyboardInterrupt:  # SIGTERM from the epilog at the job's end: its record stays "staging", as it was
+            code = 1
+            with contextlib.suppress(BaseException):
+                say("the stager was stopped (the job ended)")
         except BaseException as e:
             code = 1
             with contextlib.suppress(BaseException):
-                say(f"unexpected {type(e).__name__}: {e}")
+                say.problem(f"unexpected {type(e).__name__}: {e}")
                 write_status(cfg, job, user, {"state": "failed", "reason": f"internal error: {e}", "datasets": []})
         finally:
             os._exit(code)
@@ -330,15 +334,26 @@ def _supervise(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, us
                 f"-> {answer['root']}{how}")
             results.append(_entry(plan, "ok", streaming=bool(answer.get("streaming")),
                                   **{k: answer[k] for k in ("root", "dataset_dir", "version", "staging_root",
-                                                            "lease")}))
+                                                            "lease")}, **_figures(cfg, answer, seconds)))
         else:
             reason = f"{answer.get('error')}: {answer.get('message')}"
             say.problem(f"staging {req.src} failed: {reason}")
-            results.append(_entry(plan, "failed", reason=reason, lease=lease))
+            results.append(_entry(plan, "failed", reason=reason, lease=lease, seconds=round(seconds, 3)))
     failed = [r for r in results if r["state"] == "failed"]
     state = "failed" if failed else "ok"
     reason = "; ".join(f"{r['src']}: {r['reason']}" for r in failed)
     write_status(cfg, job, user, {"state": state, "reason": reason, "datasets": results, "supervisor": None})
+
+
+def _figures(cfg: site_config.SiteConfig, answer: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """What the trail keeps of a stage: its tier (the site's name for the root it went to), time, files, bytes."""
+    staged_in = Path(str(answer.get("staging_root")))
+    tier = next((k for k, r in cfg.roots.items() if staged_in.parent in (cfg.path(r), cfg.path(r) / "users")), None)
+    total, copied = int(answer.get("bytes") or 0), answer.get("copied_bytes")
+    out: dict[str, Any] = {"tier": tier, "seconds": round(seconds, 3), "files": answer.get("files"), "bytes": total}
+    if isinstance(copied, int) and not answer.get("streaming"):
+        out.update(copied_bytes=copied, reused_bytes=max(0, total - copied))
+    return out
 
 
 def _peers(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, user: JobUser, shared: bool,
@@ -470,6 +485,9 @@ def epilog(env: Mapping[str, str]) -> int:
             folders = _epilog(cfg, job, user, record, say, deadline)
         folders |= _release_job_leases(cfg, job, user, say, deadline)
         _evict(cfg, user, folders, say, deadline)
+        if record is not None:
+            trail.record_job(cfg, job, user, jobstate.read_record(cfg, job) or record, say, deadline)
+        trail.retain(cfg, say, deadline)
     except Exception as e:
         say.problem(f"unexpected {type(e).__name__}: {e}")
     finally:
@@ -525,7 +543,7 @@ def _epilog(cfg: site_config.SiteConfig, job: str, user: JobUser, record: dict[s
                 try:
                     rootsafe.check_trusted_dir(dd)
                 except (OSError, CacheError) as e:
-                    say(f"did not release {lease} on {dd}: {e}")
+                    say.problem(f"did not release {lease} on {dd}: {e}")
                     continue
                 release(DatasetDir(dd), lease)
                 say(f"released {lease} on {dd}")
@@ -566,7 +584,7 @@ def _evict(cfg: site_config.SiteConfig, user: JobUser, folders: set[tuple[Path, 
             try:
                 rootsafe.check_trusted_dir(folder)
             except (OSError, CacheError) as e:
-                say(f"did not evict in {folder}: {e}")
+                say.problem(f"did not evict in {folder}: {e}")
                 continue
         result = run_worker({"op": "gc", "root": str(folder), "keep_bytes": cfg.keep_bytes},
                             None if shared else user, timeout=_left(deadline))

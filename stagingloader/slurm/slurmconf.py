@@ -22,6 +22,24 @@ _SHOW = re.compile(r"^([A-Za-z]+)\s+=\s+(.*?)\s*$")
 def read(env: Mapping[str, str], *, ask_slurm: bool = True) -> dict[str, str]:
     """Slurm's settings, keys lowercased: from ``slurm.conf`` if there is one, else (``ask_slurm``) from
     ``scontrol show config``; {} when neither answers."""
+    found = from_file(env)
+    if found is not None:
+        return found[1]
+    return (from_scontrol(env) or {}) if ask_slurm else {}
+
+
+def live(env: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """What slurmctld runs with (``scontrol show config``), else ``slurm.conf``; and where it came from ("" and {}
+    when neither answers).  For ``check-config``, which an admin runs once: the hooks use :func:`read`."""
+    shown = from_scontrol(env)
+    if shown:
+        return "scontrol show config", shown
+    found = from_file(env)
+    return found if found is not None else ("", {})
+
+
+def from_file(env: Mapping[str, str]) -> tuple[str, dict[str, str]] | None:
+    """``slurm.conf``'s settings (``$SLURM_CONF``, else the usual paths) and its path; None when there is none."""
     files = [env["SLURM_CONF"]] if env.get("SLURM_CONF") else list(DEFAULT_FILES)
     for path in files:
         with contextlib.suppress(OSError, UnicodeDecodeError), open(path, encoding="utf-8") as f:
@@ -30,22 +48,25 @@ def read(env: Mapping[str, str], *, ask_slurm: bool = True) -> dict[str, str]:
                 m = _LINE.match(line.split("#", 1)[0])
                 if m:
                     out[m.group(1).lower()] = m.group(2)
-            return out
-    if not ask_slurm:
-        return {}
+            return path, out
+    return None
+
+
+def from_scontrol(env: Mapping[str, str]) -> dict[str, str] | None:
+    """``scontrol show config``'s settings, or None when slurmctld does not answer."""
     try:
         proc = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=5,
                               env={"PATH": "/usr/bin:/bin:/usr/sbin:/usr/local/bin", **(
                                   {"SLURM_CONF": env["SLURM_CONF"]} if env.get("SLURM_CONF") else {})},
                               check=False)
     except (OSError, subprocess.SubprocessError):
-        return {}
+        return None
     shown: dict[str, str] = {}
     for line in proc.stdout.splitlines():
         m = _SHOW.match(line)
         if m:
             shown[m.group(1).lower()] = m.group(2)
-    return shown
+    return shown if proc.returncode == 0 and shown else None
 
 
 def prolog_epilog_timeout(settings: Mapping[str, str]) -> float | None:

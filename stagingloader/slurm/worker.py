@@ -72,7 +72,8 @@ def _stage(op: dict[str, Any]) -> dict[str, Any]:
         os.chmod(ds.dataset_dir, 0o755)
     return {"ok": True, "root": str(ds.root), "dataset_dir": str(ds.dataset_dir), "version": ds.version,
             "files": len(ds.files), "bytes": ds.total_bytes, "lease": ds.lease, "staging_root": str(chosen),
-            "streaming": ds.streaming, "peers": ds.report.peers if ds.report is not None else None}
+            "streaming": ds.streaming, "peers": ds.report.peers if ds.report is not None else None,
+            "copied_bytes": ds.report.copied_bytes if ds.report is not None else None}
 
 
 def _stage_with_peers(op: dict[str, Any], opts: StageOptions) -> StagedDataset:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -172,3 +173,38 @@ def test_scancel_during_a_staging_prolog_stops_it(site: Site) -> None:
     assert "stopped the stager" in log, log
     assert site.cluster.node_states()["n2"] == "idle", site.cluster.logs()
     assert not (site.out / "cancel.json").exists()  # the job itself never ran
+    trail = [json.loads(x) for x in (site.base / "log" / "n2" / "trail.jsonl").read_text().splitlines()]
+    (line,) = [x for x in trail if x["job"] == job]
+    assert line["status"] == "stopped: the job ended while it staged", line  # the trail says so too
+
+
+def test_check_config_reads_prologepilogtimeout_from_slurmctld(site: Site) -> None:
+    """``budget_seconds = 60`` against this cluster's ``PrologEpilogTimeout=12``, as ``scontrol show config`` says."""
+    env = {"PATH": "/usr/bin:/bin", "SLURM_CONF": str(site.cluster.conf), "PYTHONPATH": str(REPO),
+           "STAGINGLOADER_CONFIG": site.cluster.hook_env["STAGINGLOADER_CONFIG"]}
+    proc = subprocess.run([sys.executable, "-m", "stagingloader", "slurm", "check-config", "--node", "n2", "--json"],
+                          env=env, capture_output=True, text=True, timeout=60, cwd="/")
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 0 and doc["errors"] == 0, (proc.stderr, doc)  # warnings only: exit 0
+    (budget,) = [f for f in doc["findings"] if f["what"] == "budget_seconds"]
+    assert budget["level"] == "warning" and budget["path"] == "scontrol show config", budget
+    assert "budget_seconds = 60 is not well below PrologEpilogTimeout = 12" in budget["message"], budget
+    assert "hands over after 5 s" in budget["message"], budget
+    assert "set budget_seconds = 5 or less, or PrologEpilogTimeout = 122 or more" in budget["fix"], budget
+    roots = [f for f in doc["findings"] if f["what"] == "roots.tmpfs"]
+    assert roots and roots[0]["path"] == f"{site.base}/roots/n2/tmpfs", roots  # {node} is --node's
+
+
+def test_a_real_job_leaves_one_line_in_roots_trail_per_node(site: Site) -> None:
+    src = make_tree(site.sources / "trailed", {f"{i}.bin": 2000 + i for i in range(6)})
+    job, r = site.run_job("trailed", f"stage={src}", "-N", "2")
+    assert r["STAGINGLOADER_STATUS"] == "ok", r
+    for node in ("n1", "n2"):
+        path = site.base / "log" / node / "trail.jsonl"
+        _until(lambda p=path: p.exists() and f'"job":"{job}"' in p.read_text(), f"{node}'s trail line")
+        (line,) = [json.loads(x) for x in path.read_text().splitlines() if json.loads(x)["job"] == job]
+        assert line["node"] == node and line["user"] == USER and line["status"] == "ok", line
+        assert line["files"] == 6 and line["bytes"] == sum(2000 + i for i in range(6)), line
+        assert line["copied_bytes"] + line["reused_bytes"] == line["bytes"], line
+        assert line["datasets"][0]["tier"] == "tmpfs" and line["used_bytes"]["tmpfs"] >= line["bytes"], line
+        assert path.stat().st_uid == 0 and path.stat().st_mode & 0o077 == 0o040, oct(path.stat().st_mode)
