@@ -12,6 +12,8 @@
     [roots]
     tmpfs = "/dev/shm/stagingloader"
     nvme = "/local_scratch/stagingloader"
+    [node_budget]                             # bytes staged on this node per tier, every user's and shared together:
+    tmpfs = "200G"                            # the epilog and `gc --all-users` evict the oldest unleased first
 
 ``{node}`` in a path is replaced by ``SLURMD_NODENAME`` (several slurmd on one machine).
 """
@@ -43,6 +45,8 @@ class SiteConfig:
     #: root's secret (0600, the same on every node) from which each job's peers key is made (``peers=yes``)
     peer_key: str = "/etc/stagingloader/peer.key"
     node: str = ""
+    #: the node-wide byte budget per tier (``tmpfs``, ``nvme``): every user's datasets and the shared ones together
+    node_budget: dict[str, int] = field(default_factory=dict)
 
     def path(self, template: str) -> Path:
         return Path(template.replace("{node}", self.node or "node"))
@@ -62,7 +66,9 @@ class SiteConfig:
         return src.rstrip("/") in {s.rstrip("/") for s in self.shared}
 
 
-KEYS = ("roots", "shared", "log_dir", "state_dir", "budget_seconds", "keep_bytes", "max_ram_fraction", "peer_key")
+KEYS = ("roots", "shared", "log_dir", "state_dir", "budget_seconds", "keep_bytes", "max_ram_fraction", "peer_key",
+        "node_budget")
+TIERS = ("tmpfs", "nvme")
 
 
 def where(env: Mapping[str, str]) -> str:
@@ -136,9 +142,19 @@ def parse(data: Mapping[str, Any], path: str, env: Mapping[str, str]) -> SiteCon
         if "keep_bytes" in data:
             value = data["keep_bytes"]
             kw["keep_bytes"] = value if isinstance(value, int) else parse_bytes(str(value))
+        if "node_budget" in data:
+            kw["node_budget"] = _node_budget(data["node_budget"], path)
     except (ValueError, TypeError) as e:
         raise UsageError(f"site config {path}: {e}") from None
     return SiteConfig(node=env.get("SLURMD_NODENAME", ""), **kw)
+
+
+def _node_budget(table: Any, path: str) -> dict[str, int]:
+    """``[node_budget]``: bytes per tier (``tmpfs = "200G"``, ``nvme = "2T"``)."""
+    if not isinstance(table, dict) or not table or set(table) - set(TIERS):
+        raise UsageError(f"site config {path}: [node_budget] takes tmpfs = \"200G\" and/or nvme = \"2T\" "
+                         "(bytes per tier on the node, every user's together)")
+    return {k: v if isinstance(v, int) and v >= 0 else parse_bytes(str(v)) for k, v in table.items()}
 
 
 def fallback(env: Mapping[str, str]) -> SiteConfig:

@@ -470,6 +470,9 @@ def epilog(env: Mapping[str, str]) -> int:
             folders = _epilog(cfg, job, user, record, say, deadline)
         folders |= _release_job_leases(cfg, job, user, say, deadline)
         _evict(cfg, user, folders, say, deadline)
+        from .node import epilog_budget  # the node budget, across users: only where a tier may be over it
+
+        epilog_budget(cfg, env, say, deadline)
     except Exception as e:
         say.problem(f"unexpected {type(e).__name__}: {e}")
     finally:

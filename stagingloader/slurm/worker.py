@@ -5,7 +5,10 @@ Reads one JSON operation on stdin, writes one JSON answer on stdout.  Operations
 read every file of the source?), ``release`` (drop the job's lease, and the named leases runs inside
 the job noted on a streaming stage; with ``cleanup``, remove a dataset that never got a complete
 version), ``release-job`` (drop the job's lease on every dataset of the given roots: leases a job step
-took), ``gc`` (evict under a byte budget), ``ls`` (what a root holds; for root's ``ls`` of a user's folder).
+took), ``gc`` (evict under a byte budget), ``ls`` (what a root holds; for root's ``ls`` of a user's folder), and
+for root's view of the whole node (:mod:`.node`), run as each folder's owner: ``node-ls`` (what several roots hold),
+``node-gc`` (stale leases, the leases of jobs Slurm no longer runs, old versions) and ``evict`` (whole datasets the
+node's budget asks for, unless leased or being staged).
 """
 
 from __future__ import annotations
@@ -181,6 +184,63 @@ def _ls(op: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "datasets": [i.to_dict() for i in housekeeping.list_datasets(op["root"], {})]}
 
 
+JOB_LEASE = re.compile(r"slurm-job-(\d+)")
+#: gc's budget when only stale leases, ended jobs' leases and old versions go: nothing whole is evicted
+NO_BUDGET = 1 << 62
+
+
+def _node_ls(op: dict[str, Any]) -> dict[str, Any]:
+    return {"ok": True, "datasets": [i.to_dict() for r in op["roots"] for i in housekeeping.list_datasets(r, {})]}
+
+
+def ended_job_leases(ddir: DatasetDir, running: set[str], asked_at: float) -> list[str]:
+    """The leases ``slurm-job-<id>`` on ``ddir`` of jobs not in ``running`` (Slurm's answer at ``asked_at``), taken
+    before Slurm was asked (a job that started since is not in its answer, and keeps its lease)."""
+    out = []
+    for lease in leases.scan(ddir)[0]:
+        m = JOB_LEASE.fullmatch(lease.name)
+        created = lease.created if isinstance(lease.created, (int, float)) else asked_at
+        if m and lease.pid is None and m.group(1) not in running and created < asked_at:
+            out.append(lease.name)
+    return out
+
+
+def _node_gc(op: dict[str, Any]) -> dict[str, Any]:
+    """In each of ``roots``: drop the leases of jobs Slurm no longer runs (``running``: its job ids, or None when
+    it could not be asked: then none), then what ``gc`` drops without a budget (stale leases, old versions, a
+    refused stage's leftovers); the datasets that stay."""
+    dry_run = bool(op.get("dry_run"))
+    running = set(map(str, op["running"])) if op.get("running") is not None else None
+    dropped: list[dict[str, str]] = []
+    results = []
+    for root in op["roots"]:
+        if running is not None:
+            for ddir in housekeeping.datasets(Path(root)):
+                for name in ended_job_leases(ddir, running, float(op["asked_at"])):
+                    job = JOB_LEASE.fullmatch(name)
+                    if dry_run or _release_one(ddir, {"lease": name, "job": job.group(1) if job else ""})["released"]:
+                        dropped.append({"dataset": str(ddir.path), "lease": name})
+        results.append(housekeeping.gc(root, NO_BUDGET, {}, dry_run=dry_run))
+    infos = [i.to_dict() for r in op["roots"] for i in housekeeping.list_datasets(r, {})]
+    if dry_run:  # what would go is still there: listed as gone
+        gone = {p for r in results for p in r["removed_paths"]}
+        infos = [i for i in infos if i["path"] not in gone]
+        for i in infos:
+            i["leases"] = [x for x in i["leases"] if not any(d["dataset"] == i["path"] and x.startswith(
+                d["lease"] + "@") for d in dropped)]
+    return {"ok": True, "jobs_dropped": dropped, "datasets": infos,
+            "stale_leases_dropped": sum(r["stale_leases_dropped"] for r in results),
+            "removed_paths": [p for r in results for p in r["removed_paths"]]}
+
+
+def _evict_many(op: dict[str, Any]) -> dict[str, Any]:
+    removed: list[str] = []
+    kept: list[str] = []
+    for path in op["paths"]:
+        (removed if housekeeping.evict_dataset(Path(path), dry_run=bool(op.get("dry_run"))) else kept).append(path)
+    return {"ok": True, "removed": removed, "kept": kept}
+
+
 def _spec(op: dict[str, Any]) -> dict[str, Any]:
     """A spec file this user owns: a regular file, never opened through a final symlink."""
     path, limit = op["path"], int(op["max_bytes"])
@@ -200,7 +260,7 @@ def _spec(op: dict[str, Any]) -> dict[str, Any]:
 
 
 OPS = {"stage": _stage, "access": _access, "release": _release, "release-job": _release_job, "gc": _gc,
-       "ls": _ls, "spec": _spec}
+       "ls": _ls, "spec": _spec, "node-ls": _node_ls, "node-gc": _node_gc, "evict": _evict_many}
 
 
 def main() -> int:
