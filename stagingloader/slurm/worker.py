@@ -29,32 +29,55 @@ from ..cache.capacity import resolve_root
 from ..cache.layout import DatasetDir, current_user, dataset_key
 from ..cache.locking import DatasetLock
 from ..errors import NoSpaceError, SourceAccessError, StagingError, UsageError
+from ..sources.listing import Listing, NotForOthersError
 from ..sources.source import Source
 from ..staging.result import StagedDataset
+from ..staging.sharding import take_shard
 from ..staging.stager import StageOptions, StagePlan, dataset_identity, open_run, run_stage
 from ..streaming import protocol
-from .access import not_world_readable
+from .access import not_passable, not_world_readable
+
+
+def _not_shared(src: str, why: str) -> SourceAccessError:
+    return SourceAccessError(
+        f"{src} is declared shared in the site config, but {why}: a shared copy is readable by every user of the "
+        "node, so only a source every user may read can be shared; ask your admin to make it readable by all or "
+        "to take it out of `shared`")
 
 
 def check_shareable(src: str) -> None:
-    """Raise :class:`SourceAccessError` unless every user may read the local source ``src`` (see :mod:`.access`)."""
+    """Raise :class:`SourceAccessError` unless every user may read the local source ``src`` (see :mod:`.access`):
+    a walk of its own, for the stages that list the source their own way (``wait=no``, peers)."""
     why = not_world_readable(src) if "://" not in src else None
     if why:
-        raise SourceAccessError(
-            f"{src} is declared shared in the site config, but {why}: a shared copy is readable by every user of the "
-            "node, so only a source every user may read can be shared; ask your admin to make it readable by all or "
-            "to take it out of `shared`")
+        raise _not_shared(src, why)
+
+
+def shareable_listing(src: str, shard: tuple[int, int] | None) -> Listing:
+    """The local source's listing (this node's shard), made only if every user may read all of it: the check rides
+    on the listing's own ``stat`` calls, so a shared dataset's reuse check costs what a private one's does."""
+    why = not_passable(src)
+    if why:
+        raise _not_shared(src, why)
+    try:
+        return Listing.of(take_shard(Source(src).listing(for_others=True), shard))
+    except NotForOthersError as e:
+        raise _not_shared(src, str(e)) from None
 
 
 def _stage(op: dict[str, Any]) -> dict[str, Any]:
     os.umask(0o022 if op.get("shared") else 0o077)
-    if op.get("shared"):
-        check_shareable(op["src"])
     shard = (int(op["shard"][0]), int(op["shard"][1])) if op.get("shard") else None
+    listing = None
+    if op.get("shared") and "://" not in op["src"]:
+        if op.get("peers") or op.get("wait", True) is False:
+            check_shareable(op["src"])
+        else:
+            listing = shareable_listing(op["src"], shard)
     roots = [Path(r) for r in op["roots"]]
     opts = StageOptions(root=str(roots[0]), lease=op["lease"], shard=shard, lock_timeout=op.get("lock_timeout"),
                         max_ram_fraction=float(op.get("max_ram_fraction", 0.5)))
-    chosen = choose_root(op["src"], opts, roots) if len(roots) > 1 else roots[0]
+    chosen = choose_root(op["src"], opts, roots, listing) if len(roots) > 1 else roots[0]
     opts = replace(opts, root=str(chosen))
     try:
         ds: StagedDataset | StagePlan
@@ -65,7 +88,7 @@ def _stage(op: dict[str, Any]) -> dict[str, Any]:
 
             ds = stage_streaming(op["src"], opts, env={})
         else:
-            ds = run_stage(op["src"], opts, env={})
+            ds = run_stage(op["src"], opts, env={}, listing=listing)
     except NoSpaceError as e:
         if len(roots) > 1:
             raise NoSpaceError(f"{e} (tried {', '.join(map(str, roots))})") from None
@@ -96,11 +119,11 @@ def _stage_with_peers(op: dict[str, Any], opts: StageOptions) -> StagedDataset:
     return ds
 
 
-def choose_root(src: str, opts: StageOptions, roots: list[Path]) -> Path:
+def choose_root(src: str, opts: StageOptions, roots: list[Path], listing: Listing | None = None) -> Path:
     """The first of ``roots`` (the site's, in order) with room for the dataset, else the last (whose stage then
     says it does not fit).  Measured as the stage measures its root: :func:`open_run` lists this node's shard
     of the source and measures the first root, :func:`resolve_root` checks and measures each other one."""
-    run, _identity = open_run(src, opts, env={}, on_event=lambda _: None, dry_run=True)
+    run, _identity = open_run(src, opts, env={}, on_event=lambda _: None, dry_run=True, listing=listing)
     needed = run.listing.total_bytes
     for root in roots:
         tier = run.tier if root == roots[0] else resolve_root(
