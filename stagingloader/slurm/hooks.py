@@ -314,8 +314,8 @@ def _supervise(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, us
         if req.peers:
             op["peers"] = _peers(env, cfg, job, user, plan["shared"], say)
         if plan["shared"]:  # a local source must be readable by all (checked by root's stager); a URL, by her
-            answer: dict[str, Any] = (run_worker({"op": "access", "src": req.src}, user) if "://" in req.src
-                                      else {"ok": True})
+            remote = "://" in req.src and not req.src.startswith("file://")
+            answer: dict[str, Any] = run_worker({"op": "access", "src": req.src}, user) if remote else {"ok": True}
             if answer.get("ok"):
                 answer = run_worker(op, None)
         else:

@@ -48,7 +48,8 @@ def _not_shared(src: str, why: str) -> SourceAccessError:
 def check_shareable(src: str) -> None:
     """Raise :class:`SourceAccessError` unless every user may read the local source ``src`` (see :mod:`.access`):
     a walk of its own, for the stages that list the source their own way (``wait=no``, peers)."""
-    why = not_world_readable(src) if "://" not in src else None
+    path = _local_path(src)
+    why = not_world_readable(path) if path is not None else None
     if why:
         raise _not_shared(src, why)
 
@@ -56,7 +57,7 @@ def check_shareable(src: str) -> None:
 def shareable_listing(src: str, shard: tuple[int, int] | None) -> Listing:
     """The local source's listing (this node's shard), made only if every user may read all of it: the check rides
     on the listing's own ``stat`` calls, so a shared dataset's reuse check costs what a private one's does."""
-    why = not_passable(src)
+    why = not_passable(_local_path(src) or src)
     if why:
         raise _not_shared(src, why)
     try:
@@ -65,11 +66,19 @@ def shareable_listing(src: str, shard: tuple[int, int] | None) -> Listing:
         raise _not_shared(src, str(e)) from None
 
 
+def _local_path(src: str) -> str | None:
+    """The local path of a source (a path or a ``file://`` URL), None for a remote one."""
+    if "://" not in src:
+        return src
+    source = Source(src)
+    return source.base if source.is_local else None
+
+
 def _stage(op: dict[str, Any]) -> dict[str, Any]:
     os.umask(0o022 if op.get("shared") else 0o077)
     shard = (int(op["shard"][0]), int(op["shard"][1])) if op.get("shard") else None
     listing = None
-    if op.get("shared") and "://" not in op["src"]:
+    if op.get("shared") and _local_path(op["src"]) is not None:
         if op.get("peers") or op.get("wait", True) is False:
             check_shareable(op["src"])
         else:

@@ -114,3 +114,24 @@ def test_a_listing_for_others_names_what_they_may_not_read(tmp_path: Path) -> No
     src.chmod(0o700)
     with pytest.raises(NotForOthersError, match=r"src \(mode 0700"):
         Source(str(src)).listing(for_others=True)
+
+
+def test_a_file_url_declared_shared_is_checked_as_its_path_is(tmp_path: Path) -> None:
+    """``file:///...`` is a local source: root's stager checks that every user may read it, as for a plain path (it
+    used to be taken for a remote URL, checked only as the job's user, and its copy handed to everyone)."""
+    import tempfile
+
+    from stagingloader.errors import SourceAccessError
+    from stagingloader.slurm.worker import check_shareable, shareable_listing
+
+    base = Path(tempfile.mkdtemp(prefix="sl-fileurl-", dir="/var/tmp"))  # every user may pass (pytest's may not)
+    try:
+        base.chmod(0o755)
+        src = make_tree(base / "src", {f"{i}.bin": 10 for i in range(3)})
+        src.chmod(0o750)
+        for check in (check_shareable, lambda s: shareable_listing(s, None)):
+            with pytest.raises(SourceAccessError, match=rf"declared shared .* but {src} \(mode 0750"):
+                check(f"file://{src}")
+    finally:
+        src.chmod(0o755)
+        __import__("shutil").rmtree(base, ignore_errors=True)
