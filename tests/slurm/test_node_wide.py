@@ -260,3 +260,21 @@ def test_the_epilog_enforces_the_node_budget_across_users(node: Node) -> None:
     assert "Slurm could not be asked" in log, log
     assert not node.inside(old["dataset_dir"]).exists()
     assert node.inside(running["dataset_dir"]).is_dir()
+
+
+def test_the_admin_commands_of_docs_slurm_md_run_as_shown(node: Node) -> None:
+    """The block of docs/slurm.md "The node as a whole", run line by line as root on this node (``alice`` is
+    sltest2), each exiting 0, with the node budget of the docs' site config."""
+    text = (REPO / "docs" / "slurm.md").read_text()
+    section = text.split("### The node as a whole", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [line.split("#", 1)[0].split() for line in block.splitlines() if line.strip()]
+    assert len(lines) == 5 and all(words[0] == "stagingloader" for words in lines), lines
+    node.stage("sltest2", node.base / "src" / "a")
+    node.configure('[node_budget]\ntmpfs = "200G"\nnvme = "2T"')
+    for words in lines:
+        args = ["sltest2" if w == "alice" else w for w in words[1:]]
+        proc = node.cli(*args)
+        assert "Traceback" not in proc.stderr, proc.stderr
+        if "ls" in args and "--json" in args:
+            assert [d["owner"] for d in json.loads(proc.stdout)["datasets"]] == ["sltest2"]
