@@ -174,6 +174,9 @@ def test_non_root_and_bad_combinations_are_refused_with_the_fix(node: Node) -> N
                         (["gc", "--root", "/tmp"], "gc needs a budget")):
         proc = node.cli(*args, ok=False)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    node.configure('[node_budget]\nram = "1G"')
+    proc = node.cli("gc", "--all-users", ok=False)
+    assert proc.returncode == 2 and f"site config {node.config}: [node_budget] takes tmpfs" in proc.stderr, proc
 
 
 def test_a_link_or_a_squatted_folder_in_a_users_place_is_skipped_and_left_alone(node: Node) -> None:

@@ -135,3 +135,26 @@ def test_a_file_url_declared_shared_is_checked_as_its_path_is(tmp_path: Path) ->
     finally:
         src.chmod(0o755)
         __import__("shutil").rmtree(base, ignore_errors=True)
+
+
+def test_only_the_leases_of_jobs_slurm_has_ended_count_as_ended(tmp_path: Path) -> None:
+    """``slurm-job-<id>`` named leases of jobs not in Slurm's answer, taken before it answered; never a running job's,
+    one taken since (its job may have started after), nor a lease of another name."""
+    import time
+
+    from stagingloader.cache import leases
+    from stagingloader.cache.layout import DatasetDir
+    from stagingloader.slurm.worker import ended_job_leases
+
+    src = make_tree(tmp_path / "src", {"a.bin": 10})
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    ds = run_stage(str(src), StageOptions(root=str(root)), env={})
+    ddir = DatasetDir(Path(ds.dataset_dir))
+    for name in ("slurm-job-11", "slurm-job-12", "slurm-job-x", "job-13", "slurm-job-14x"):
+        leases.take(ddir, ds.version, name=name)
+    asked_at = time.time() + 0.001
+    time.sleep(0.01)
+    leases.take(ddir, ds.version, name="slurm-job-15")  # after Slurm answered: its job may be new
+    assert ended_job_leases(ddir, {"12"}, asked_at) == ["slurm-job-11"]
+    assert ended_job_leases(ddir, {"11", "12"}, asked_at) == []
