@@ -247,6 +247,11 @@ def enforce(datasets: list[dict[str, Any]], budget: Mapping[str, int], found: li
     removed: list[dict[str, Any]] = []
     tried: set[str] = set()
     while doomed := plan_evictions(datasets, budget, tried):
+        left = owners.left()
+        if left is not None and left < 1:
+            owners.problems.append("no time left to evict under the node budget: left to the next epilog or "
+                                   "`stagingloader gc --all-users`")
+            break
         tried |= {r["path"] for r in doomed}
         groups: dict[int | None, list[dict[str, Any]]] = {}
         for r in doomed:
@@ -269,8 +274,10 @@ def collect(cfg: SiteConfig, env: Mapping[str, str], *, user: str | None = None,
     node budget (``budget``, else the site config's), across users, oldest unleased first."""
     folders_found, skipped = found if found is not None else folders(cfg, user=user)
     asked_at = time.time()
-    running, why = slurmconf.running_jobs(env)
     owners = _Owners(folders_found, deadline)
+    time_left = owners.left()
+    running, why = slurmconf.running_jobs(env, timeout=10.0 if time_left is None else
+                                          max(0.5, min(10.0, time_left / 3)))
     op = {"op": "node-gc", "running": sorted(running) if running is not None else None, "asked_at": asked_at,
           "dry_run": dry_run}
     datasets: list[dict[str, Any]] = []

@@ -107,14 +107,14 @@ def node_addr(env: Mapping[str, str], name: str) -> str:
     return m.group(1) if m else name
 
 
-def running_jobs(env: Mapping[str, str]) -> tuple[set[str] | None, str]:
+def running_jobs(env: Mapping[str, str], *, timeout: float = 10.0) -> tuple[set[str] | None, str]:
     """The ids of the jobs slurmctld has not ended (``squeue -h -a -o %A``: pending, running, suspended, completing;
     each array task by its own id), and ''; or None and why Slurm could not be asked (then no job counts as ended)."""
     path = {"PATH": "/usr/bin:/bin:/usr/sbin:/usr/local/bin"}
     if env.get("SLURM_CONF"):
         path["SLURM_CONF"] = env["SLURM_CONF"]
     try:
-        proc = subprocess.run(["squeue", "-h", "-a", "-o", "%A"], capture_output=True, text=True, timeout=10,
+        proc = subprocess.run(["squeue", "-h", "-a", "-o", "%A"], capture_output=True, text=True, timeout=timeout,
                               env=path, check=False)
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"squeue could not run ({e})"
