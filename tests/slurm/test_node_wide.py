@@ -281,3 +281,22 @@ def test_the_admin_commands_of_docs_slurm_md_run_as_shown(node: Node) -> None:
         assert "Traceback" not in proc.stderr, proc.stderr
         if "ls" in args and "--json" in args:
             assert [d["owner"] for d in json.loads(proc.stdout)["datasets"]] == ["sltest2"]
+
+
+def test_a_registry_naming_another_users_folder_does_not_make_it_hers(node: Node) -> None:
+    """sltest lists sltest2's folder in her own registry of roots: root never works there as sltest; and ``gc --user
+    sltest`` with no budget left to spare leaves sltest2's datasets alone."""
+    import socket
+
+    src = node.base / "src"
+    theirs = node.stage("sltest2", src / "b")
+    mine = node.stage("sltest", src / "a")
+    registry = f"~/.local/state/stagingloader/roots-{socket.gethostname()}.json"
+    node.sh(f"mkdir -p ~/.local/state/stagingloader && echo '[\"/dev/shm/stagingloader-sltest2\"]' > {registry}",
+            user="sltest")
+    rows = node.json("ls", "--all-users")["datasets"]
+    assert sorted((Path(d["source"]).name, d["owner"]) for d in rows) == [("a", "sltest"), ("b", "sltest2")]
+    gc = node.json("gc", "--user", "sltest", "--keep-bytes", "0")
+    assert gc["folders"] == [{"path": "/dev/shm/stagingloader-sltest", "owner": "sltest", "tier": "tmpfs"}], gc
+    assert gc["removed_paths"] == [mine["dataset_dir"]], gc
+    assert node.inside(theirs["dataset_dir"]).is_dir()
