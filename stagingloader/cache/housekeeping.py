@@ -249,6 +249,14 @@ def _drop_incoming(d: DatasetDir, *, dry_run: bool) -> bool:
         return True
 
 
+def evict_dataset(path: Path, *, dry_run: bool = False) -> bool:
+    """Remove the whole dataset at ``path`` (a folder of the caller's own) unless it is leased or being staged, as
+    ``gc`` would; True if it went (or would go).  For root's node-wide budget, run as the dataset's owner."""
+    if not _own_folder(path) or trust.lstat(path / "dataset.json") is None:
+        return False
+    return _evict(describe(DatasetDir(path), drop_stale=not dry_run), dry_run=dry_run)
+
+
 def _evict(info: DatasetInfo, *, dry_run: bool) -> bool:
     """Remove a whole dataset unless it is leased or being staged; True if it went (or would go)."""
     if info.leases or info.state == "staging":

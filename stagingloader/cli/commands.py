@@ -162,6 +162,10 @@ def cmd_verify(args: argparse.Namespace) -> Result:
 
 
 def cmd_ls(args: argparse.Namespace) -> Result:
+    from . import nodewide
+
+    if nodewide.wanted(args):
+        return nodewide.ls_all(args)
     _given_root(args)
     owner = _owner(args.root)
     if owner is not None:  # root on a user's folder: listed as her (what she has, nothing root would trust less)
@@ -249,6 +253,12 @@ def _as_owner(op: dict[str, Any], user: Any) -> dict[str, Any]:
 
 
 def cmd_gc(args: argparse.Namespace) -> Result:
+    from . import nodewide
+
+    if nodewide.wanted(args):
+        return nodewide.gc_all(args)
+    if args.keep_bytes is None:
+        raise UsageError("gc needs a budget: --keep-bytes N (e.g. 500G, or 0 for every dataset no lease holds)")
     _given_root(args)
     owner = _owner(args.root)
     if owner is not None:  # root on a user's folder: as her (root never acts on a folder a user controls)

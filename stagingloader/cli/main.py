@@ -260,21 +260,32 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dataset", metavar="DATASET", help="a staged dataset's folder, or its source URL")
     v.add_argument("--workers", type=_positive_int, default=4, metavar="N", help="parallel hashing (default: 4)")
 
-    ls = sub.add_parser("ls", parents=[common, root_opt], help="what is staged: source, version, size, leases, state",
+    node_opts = _Parser(add_help=False)
+    node_opts.add_argument("--all-users", action="store_true",
+                           help="root: every user's staging folders on this node (the site's roots, --root auto's "
+                                "folders, the roots each user staged into) and the shared ones, each with its owner "
+                                "and the Slurm jobs holding it; run as each folder's owner")
+    node_opts.add_argument("--user", metavar="NAME", help="root: only this user's folders (as --all-users)")
+
+    ls = sub.add_parser("ls", parents=[common, root_opt, node_opts],
+                        help="what is staged: source, version, size, leases, state",
                         description="List every dataset staged in the roots (with --root auto: every root you "
                                     "staged into on this node): its state, version, size, files, last use, how "
                                     "many leases hold it (the newest named) and the stale ones, its source and "
                                     "its folder.")
     ls.set_defaults()
 
-    g = sub.add_parser("gc", parents=[common, root_opt], help="evict least recently used datasets over a byte budget",
+    g = sub.add_parser("gc", parents=[common, root_opt, node_opts],
+                       help="evict least recently used datasets over a byte budget",
                        description="Drop stale leases (their holder has ended), then remove old versions nobody "
                                    "leases, what killed or refused stages left, then whole datasets, least recently "
                                    "used first, until at most --keep-bytes stay. It says which roots it looks in "
                                    "(with --root auto: every root you staged into on this node; --root DIR for one) "
                                    "and names each dataset by its folder. Never touches a dataset a live lease "
                                    "holds (another job's included) or one being staged.")
-    g.add_argument("--keep-bytes", type=_size, required=True, metavar="N", help="budget, e.g. 500G or 0")
+    g.add_argument("--keep-bytes", type=_size, metavar="N",
+                   help="budget, e.g. 500G or 0 (needed, but with --all-users or --user: the site config's "
+                        "[node_budget] per tier by default, and N for every tier of the node when given)")
     g.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
 
     r = sub.add_parser("release", parents=[common, src_opts, root_opt], help="drop your lease on a staged dataset",

@@ -6,8 +6,10 @@ every folder on the way to it lets others through (``o+x``), every folder in it 
 and every file lets others read it (``o+r``).  A source that fails this is refused as ``shared`` (by
 root's stager, for a ``shared`` source), naming the first path that fails and its mode.
 
-One walk of ``stat`` calls (``fstatat`` through each folder's descriptor, never opening a file), done as root: the
-same cost as the listing a private dataset's reuse check makes, where the old check opened every file as the user.
+Root's stager of a shared source checks this on its own listing's ``stat`` calls (``Source.listing(for_others=True)``:
+a bit test per file, no call more than a private dataset's listing makes) plus :func:`not_passable` for the folders
+above; :func:`not_world_readable` walks the tree on its own (``stat`` calls, never opening a file), for a stage that
+lists in its own way (``wait=no``, peers).
 POSIX ACLs that deny a named user what the mode bits give to others are not looked at.
 """
 
@@ -30,16 +32,25 @@ def _why(path: str, st: os.stat_result, need: str) -> str:
     return f"{path} (mode {stat.S_IMODE(st.st_mode):04o}, group {_group(st.st_gid)}) {need}"
 
 
-def not_world_readable(src: str) -> str | None:
-    """None when every user may read all of ``src`` (a local file or folder); else why not, naming the path."""
-    path = Path(os.path.abspath(src))
-    for above in reversed(path.parents):
+def not_passable(src: str) -> str | None:
+    """None when every folder above ``src`` lets other users through (``o+x``); else why not, naming it.  A stat per
+    folder on the way: what the stage's own listing, made with ``for_others``, does not look at."""
+    for above in reversed(Path(os.path.abspath(src)).parents):
         try:
             st = os.stat(above)
         except OSError as e:
             return f"{above}: {e.strerror}"
         if not st.st_mode & stat.S_IXOTH:
             return _why(str(above), st, "does not let other users through (o+x)")
+    return None
+
+
+def not_world_readable(src: str) -> str | None:
+    """None when every user may read all of ``src`` (a local file or folder); else why not, naming the path."""
+    path = Path(os.path.abspath(src))
+    why = not_passable(src)
+    if why:
+        return why
     try:
         st = os.stat(path)
     except OSError as e:

@@ -14,6 +14,8 @@
     [roots]
     tmpfs = "/dev/shm/stagingloader"
     nvme = "/local_scratch/stagingloader"
+    [node_budget]                             # bytes staged on this node per tier, every user's and shared together:
+    tmpfs = "200G"                            # the epilog and `gc --all-users` evict the oldest unleased first
 
 ``{node}`` in a path is replaced by ``SLURMD_NODENAME`` (several slurmd on one machine).
 """
@@ -50,6 +52,8 @@ class SiteConfig:
     #: the epilog removes per-job logs (``<log_dir>/<id>.log`` and the users' copies) older than this; None: keep all
     log_retention_days: float | None = None
     node: str = ""
+    #: the node-wide byte budget per tier (``tmpfs``, ``nvme``): every user's datasets and the shared ones together
+    node_budget: dict[str, int] = field(default_factory=dict)
 
     def path(self, template: str) -> Path:
         return Path(template.replace("{node}", self.node or "node"))
@@ -76,7 +80,9 @@ class SiteConfig:
 
 
 KEYS = ("roots", "shared", "log_dir", "state_dir", "budget_seconds", "keep_bytes", "max_ram_fraction", "peer_key",
+        "node_budget",
         "trail", "log_retention_days")  # the trail root owns
+TIERS = ("tmpfs", "nvme")
 
 
 def where(env: Mapping[str, str]) -> str:
@@ -150,6 +156,8 @@ def parse(data: Mapping[str, Any], path: str, env: Mapping[str, str]) -> SiteCon
         if "keep_bytes" in data:
             value = data["keep_bytes"]
             kw["keep_bytes"] = value if isinstance(value, int) else parse_bytes(str(value))
+        if "node_budget" in data:
+            kw["node_budget"] = _node_budget(data["node_budget"], path)
     except (ValueError, TypeError) as e:
         raise UsageError(f"site config {path}: {e}") from None
     kw.update(_trail_keys(data, path))
@@ -175,6 +183,14 @@ def _trail_keys(data: Mapping[str, Any], path: str) -> dict[str, Any]:
                              f"log_retention_days = 30 (leave it out to keep every log), not {days!r}")
         kw["log_retention_days"] = float(days)
     return kw
+
+
+def _node_budget(table: Any, path: str) -> dict[str, int]:
+    """``[node_budget]``: bytes per tier (``tmpfs = "200G"``, ``nvme = "2T"``)."""
+    if not isinstance(table, dict) or not table or set(table) - set(TIERS):
+        raise UsageError(f"site config {path}: [node_budget] takes tmpfs = \"200G\" and/or nvme = \"2T\" "
+                         "(bytes per tier on the node, every user's together)")
+    return {k: v if isinstance(v, int) and v >= 0 else parse_bytes(str(v)) for k, v in table.items()}
 
 
 def fallback(env: Mapping[str, str]) -> SiteConfig:

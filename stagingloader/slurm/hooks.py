@@ -318,8 +318,8 @@ def _supervise(env: Mapping[str, str], cfg: site_config.SiteConfig, job: str, us
         if req.peers:
             op["peers"] = _peers(env, cfg, job, user, plan["shared"], say)
         if plan["shared"]:  # a local source must be readable by all (checked by root's stager); a URL, by her
-            answer: dict[str, Any] = (run_worker({"op": "access", "src": req.src}, user) if "://" in req.src
-                                      else {"ok": True})
+            remote = "://" in req.src and not req.src.startswith("file://")
+            answer: dict[str, Any] = run_worker({"op": "access", "src": req.src}, user) if remote else {"ok": True}
             if answer.get("ok"):
                 answer = run_worker(op, None)
         else:
@@ -488,6 +488,9 @@ def epilog(env: Mapping[str, str]) -> int:
         if record is not None:
             trail.record_job(cfg, job, user, jobstate.read_record(cfg, job) or record, say, deadline)
         trail.retain(cfg, say, deadline)
+        from .node import epilog_budget  # the node budget, across users: only where a tier may be over it
+
+        epilog_budget(cfg, env, say, deadline)
     except Exception as e:
         say.problem(f"unexpected {type(e).__name__}: {e}")
     finally:

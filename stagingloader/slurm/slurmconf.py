@@ -1,4 +1,5 @@
-"""What the hooks need to know of Slurm's own configuration: ``PrologEpilogTimeout`` and where slurmd logs.
+"""What the hooks need to know of Slurm's own configuration (``PrologEpilogTimeout``, where slurmd logs) and of its
+jobs (which still run: :func:`running_jobs`).
 
 Read from ``slurm.conf`` (``$SLURM_CONF``, else ``/etc/slurm/slurm.conf``), which every node has unless the site
 runs "configless"; there, from ``scontrol show config`` (a few milliseconds, and only when a hook has work).  A hook
@@ -125,3 +126,21 @@ def node_addr(env: Mapping[str, str], name: str) -> str:
         return name
     m = re.search(r"\bNodeAddr=(\S+)", proc.stdout)
     return m.group(1) if m else name
+
+
+def running_jobs(env: Mapping[str, str], *, timeout: float = 10.0) -> tuple[set[str] | None, str]:
+    """The ids of the jobs slurmctld has not ended (``squeue -h -a -o %A``: pending, running, suspended, completing;
+    each array task by its own id), and ''; or None and why Slurm could not be asked (then no job counts as ended)."""
+    path = {"PATH": "/usr/bin:/bin:/usr/sbin:/usr/local/bin"}
+    if env.get("SLURM_CONF"):
+        path["SLURM_CONF"] = env["SLURM_CONF"]
+    try:
+        proc = subprocess.run(["squeue", "-h", "-a", "-o", "%A"], capture_output=True, text=True, timeout=timeout,
+                              env=path, check=False)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"squeue could not run ({e})"
+    ids = proc.stdout.split()
+    if proc.returncode != 0 or not all(i.isdigit() for i in ids):
+        tail = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        return None, f"squeue failed (exit {proc.returncode}: {tail})"
+    return set(ids), ""

@@ -5,7 +5,10 @@ Reads one JSON operation on stdin, writes one JSON answer on stdout.  Operations
 read every file of the source?), ``release`` (drop the job's lease, and the named leases runs inside
 the job noted on a streaming stage; with ``cleanup``, remove a dataset that never got a complete
 version), ``release-job`` (drop the job's lease on every dataset of the given roots: leases a job step
-took), ``gc`` (evict under a byte budget), ``ls`` (what a root holds; for root's ``ls`` of a user's folder).
+took), ``gc`` (evict under a byte budget), ``ls`` (what a root holds; for root's ``ls`` of a user's folder), and
+for root's view of the whole node (:mod:`.node`), run as each folder's owner: ``node-ls`` (what several roots hold),
+``node-gc`` (stale leases, the leases of jobs Slurm no longer runs, old versions) and ``evict`` (whole datasets the
+node's budget asks for, unless leased or being staged).
 """
 
 from __future__ import annotations
@@ -26,32 +29,64 @@ from ..cache.capacity import resolve_root
 from ..cache.layout import DatasetDir, current_user, dataset_key
 from ..cache.locking import DatasetLock
 from ..errors import NoSpaceError, SourceAccessError, StagingError, UsageError
+from ..sources.listing import Listing, NotForOthersError
 from ..sources.source import Source
 from ..staging.result import StagedDataset
+from ..staging.sharding import take_shard
 from ..staging.stager import StageOptions, StagePlan, dataset_identity, open_run, run_stage
 from ..streaming import protocol
-from .access import not_world_readable
+from .access import not_passable, not_world_readable
+
+
+def _not_shared(src: str, why: str) -> SourceAccessError:
+    return SourceAccessError(
+        f"{src} is declared shared in the site config, but {why}: a shared copy is readable by every user of the "
+        "node, so only a source every user may read can be shared; ask your admin to make it readable by all or "
+        "to take it out of `shared`")
 
 
 def check_shareable(src: str) -> None:
-    """Raise :class:`SourceAccessError` unless every user may read the local source ``src`` (see :mod:`.access`)."""
-    why = not_world_readable(src) if "://" not in src else None
+    """Raise :class:`SourceAccessError` unless every user may read the local source ``src`` (see :mod:`.access`):
+    a walk of its own, for the stages that list the source their own way (``wait=no``, peers)."""
+    path = _local_path(src)
+    why = not_world_readable(path) if path is not None else None
     if why:
-        raise SourceAccessError(
-            f"{src} is declared shared in the site config, but {why}: a shared copy is readable by every user of the "
-            "node, so only a source every user may read can be shared; ask your admin to make it readable by all or "
-            "to take it out of `shared`")
+        raise _not_shared(src, why)
+
+
+def shareable_listing(src: str, shard: tuple[int, int] | None) -> Listing:
+    """The local source's listing (this node's shard), made only if every user may read all of it: the check rides
+    on the listing's own ``stat`` calls, so a shared dataset's reuse check costs what a private one's does."""
+    why = not_passable(_local_path(src) or src)
+    if why:
+        raise _not_shared(src, why)
+    try:
+        return Listing.of(take_shard(Source(src).listing(for_others=True), shard))
+    except NotForOthersError as e:
+        raise _not_shared(src, str(e)) from None
+
+
+def _local_path(src: str) -> str | None:
+    """The local path of a source (a path or a ``file://`` URL), None for a remote one."""
+    if "://" not in src:
+        return src
+    source = Source(src)
+    return source.base if source.is_local else None
 
 
 def _stage(op: dict[str, Any]) -> dict[str, Any]:
     os.umask(0o022 if op.get("shared") else 0o077)
-    if op.get("shared"):
-        check_shareable(op["src"])
     shard = (int(op["shard"][0]), int(op["shard"][1])) if op.get("shard") else None
+    listing = None
+    if op.get("shared") and _local_path(op["src"]) is not None:
+        if op.get("peers") or op.get("wait", True) is False:
+            check_shareable(op["src"])
+        else:
+            listing = shareable_listing(op["src"], shard)
     roots = [Path(r) for r in op["roots"]]
     opts = StageOptions(root=str(roots[0]), lease=op["lease"], shard=shard, lock_timeout=op.get("lock_timeout"),
                         max_ram_fraction=float(op.get("max_ram_fraction", 0.5)))
-    chosen = choose_root(op["src"], opts, roots) if len(roots) > 1 else roots[0]
+    chosen = choose_root(op["src"], opts, roots, listing) if len(roots) > 1 else roots[0]
     opts = replace(opts, root=str(chosen))
     try:
         ds: StagedDataset | StagePlan
@@ -62,7 +97,7 @@ def _stage(op: dict[str, Any]) -> dict[str, Any]:
 
             ds = stage_streaming(op["src"], opts, env={})
         else:
-            ds = run_stage(op["src"], opts, env={})
+            ds = run_stage(op["src"], opts, env={}, listing=listing)
     except NoSpaceError as e:
         if len(roots) > 1:
             raise NoSpaceError(f"{e} (tried {', '.join(map(str, roots))})") from None
@@ -94,11 +129,11 @@ def _stage_with_peers(op: dict[str, Any], opts: StageOptions) -> StagedDataset:
     return ds
 
 
-def choose_root(src: str, opts: StageOptions, roots: list[Path]) -> Path:
+def choose_root(src: str, opts: StageOptions, roots: list[Path], listing: Listing | None = None) -> Path:
     """The first of ``roots`` (the site's, in order) with room for the dataset, else the last (whose stage then
     says it does not fit).  Measured as the stage measures its root: :func:`open_run` lists this node's shard
     of the source and measures the first root, :func:`resolve_root` checks and measures each other one."""
-    run, _identity = open_run(src, opts, env={}, on_event=lambda _: None, dry_run=True)
+    run, _identity = open_run(src, opts, env={}, on_event=lambda _: None, dry_run=True, listing=listing)
     needed = run.listing.total_bytes
     for root in roots:
         tier = run.tier if root == roots[0] else resolve_root(
@@ -182,6 +217,63 @@ def _ls(op: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "datasets": [i.to_dict() for i in housekeeping.list_datasets(op["root"], {})]}
 
 
+JOB_LEASE = re.compile(r"slurm-job-(\d+)")
+#: gc's budget when only stale leases, ended jobs' leases and old versions go: nothing whole is evicted
+NO_BUDGET = 1 << 62
+
+
+def _node_ls(op: dict[str, Any]) -> dict[str, Any]:
+    return {"ok": True, "datasets": [i.to_dict() for r in op["roots"] for i in housekeeping.list_datasets(r, {})]}
+
+
+def ended_job_leases(ddir: DatasetDir, running: set[str], asked_at: float) -> list[str]:
+    """The leases ``slurm-job-<id>`` on ``ddir`` of jobs not in ``running`` (Slurm's answer at ``asked_at``), taken
+    before Slurm was asked (a job that started since is not in its answer, and keeps its lease)."""
+    out = []
+    for lease in leases.scan(ddir)[0]:
+        m = JOB_LEASE.fullmatch(lease.name)
+        created = lease.created if isinstance(lease.created, (int, float)) else asked_at
+        if m and lease.pid is None and m.group(1) not in running and created < asked_at:
+            out.append(lease.name)
+    return out
+
+
+def _node_gc(op: dict[str, Any]) -> dict[str, Any]:
+    """In each of ``roots``: drop the leases of jobs Slurm no longer runs (``running``: its job ids, or None when
+    it could not be asked: then none), then what ``gc`` drops without a budget (stale leases, old versions, a
+    refused stage's leftovers); the datasets that stay."""
+    dry_run = bool(op.get("dry_run"))
+    running = set(map(str, op["running"])) if op.get("running") is not None else None
+    dropped: list[dict[str, str]] = []
+    results = []
+    for root in op["roots"]:
+        if running is not None:
+            for ddir in housekeeping.datasets(Path(root)):
+                for name in ended_job_leases(ddir, running, float(op["asked_at"])):
+                    job = JOB_LEASE.fullmatch(name)
+                    if dry_run or _release_one(ddir, {"lease": name, "job": job.group(1) if job else ""})["released"]:
+                        dropped.append({"dataset": str(ddir.path), "lease": name})
+        results.append(housekeeping.gc(root, NO_BUDGET, {}, dry_run=dry_run))
+    infos = [i.to_dict() for r in op["roots"] for i in housekeeping.list_datasets(r, {})]
+    if dry_run:  # what would go is still there: listed as gone
+        gone = {p for r in results for p in r["removed_paths"]}
+        infos = [i for i in infos if i["path"] not in gone]
+        for i in infos:
+            i["leases"] = [x for x in i["leases"] if not any(d["dataset"] == i["path"] and x.startswith(
+                d["lease"] + "@") for d in dropped)]
+    return {"ok": True, "jobs_dropped": dropped, "datasets": infos,
+            "stale_leases_dropped": sum(r["stale_leases_dropped"] for r in results),
+            "removed_paths": [p for r in results for p in r["removed_paths"]]}
+
+
+def _evict_many(op: dict[str, Any]) -> dict[str, Any]:
+    removed: list[str] = []
+    kept: list[str] = []
+    for path in op["paths"]:
+        (removed if housekeeping.evict_dataset(Path(path), dry_run=bool(op.get("dry_run"))) else kept).append(path)
+    return {"ok": True, "removed": removed, "kept": kept}
+
+
 def _spec(op: dict[str, Any]) -> dict[str, Any]:
     """A spec file this user owns: a regular file, never opened through a final symlink."""
     path, limit = op["path"], int(op["max_bytes"])
@@ -201,7 +293,7 @@ def _spec(op: dict[str, Any]) -> dict[str, Any]:
 
 
 OPS = {"stage": _stage, "access": _access, "release": _release, "release-job": _release_job, "gc": _gc,
-       "ls": _ls, "spec": _spec}
+       "ls": _ls, "spec": _spec, "node-ls": _node_ls, "node-gc": _node_gc, "evict": _evict_many}
 
 
 def main() -> int:

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..cache.columns import CHUNK_ROWS, Int64Array, RowArray, StrBuilder, StrColumn, as_int64, encode, int_column
-from ..errors import SourceError, UnsafePathError
+from ..errors import SourceAccessError, SourceError, UnsafePathError
 from .files import SourceFile as SourceFile  # re-exported: where it was defined first
 
 
@@ -170,10 +170,40 @@ class _ByPath(Mapping[str, SourceFile]):
         return len(self.listing)
 
 
-class ListingBuilder:
-    """Appends scanned files to growing columns (no object per file), then freezes them into a :class:`Listing`."""
+class NotForOthersError(SourceAccessError):
+    """A listing that must hold only what every user may read (a shared source) met a file or folder they may not."""
 
-    def __init__(self) -> None:
+
+def check_for_others(path: bytes | str, st: os.stat_result) -> None:
+    """Raise :class:`NotForOthersError`, naming ``path``, its mode and group, unless other users may read the file
+    (``o+r``) or list the folder (``o+rx``) it is; anything else is not listed anyway.  A bit test on the ``stat``
+    the walk made: free."""
+    mode = st.st_mode
+    if stat.S_ISREG(mode):
+        if mode & stat.S_IROTH:
+            return
+        need = "is not readable by other users (o+r)"
+    elif stat.S_ISDIR(mode):
+        if mode & 0o005 == 0o005:
+            return
+        need = "cannot be listed by other users (o+rx)"
+    else:
+        return
+    import grp
+
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    raise NotForOthersError(f"{os.fsdecode(path)} (mode {stat.S_IMODE(mode):04o}, group {group}) {need}")
+
+
+class ListingBuilder:
+    """Appends scanned files to growing columns (no object per file), then freezes them into a :class:`Listing`.
+    ``for_others``: every file and folder the walk meets must be readable by all (:func:`check_for_others`)."""
+
+    def __init__(self, *, for_others: bool = False) -> None:
+        self.for_others = for_others
         self.paths = StrBuilder()
         self.size = array.array("q")
         self.mtime = array.array("q")
@@ -339,6 +369,7 @@ def _walk_local(stack: list[Any], bbase: bytes, base: str, skip_top: bytes, out:
                                                        out.dev.append, out.ino.append)
     devs, dev_of = out.devs, out.dev_of
     is_reg, is_dir = stat.S_ISREG, stat.S_ISDIR
+    for_others = out.for_others
     while stack:
         entries, path, rel_prefix, _fd, ancestors = stack[-1]
         for item in entries:
@@ -349,6 +380,9 @@ def _walk_local(stack: list[Any], bbase: bytes, base: str, skip_top: bytes, out:
                 if sts is None:  # one of them failed: one by one, each error said as it always was
                     stack[-1] = (itertools.chain(item, entries), *stack[-1][1:])
                     break
+                if for_others:
+                    for (n, _e), st in zip(item, sts, strict=True):
+                        check_for_others(path + b"/" + n, st)
                 if b"\\" in _add_run(out, rel_prefix, item, sts, keep_special=False):
                     bad = next(n for n, _ in item if b"\\" in rel_prefix + n)
                     _refuse_backslash(rel_prefix + bad)
@@ -374,6 +408,8 @@ def _walk_local(stack: list[Any], bbase: bytes, base: str, skip_top: bytes, out:
                                           f"{os.fsdecode(os.readlink(full))}") from None
                 raise on_error(e, os.fsdecode(full)) from e
             mode = st.st_mode
+            if for_others:
+                check_for_others(path + b"/" + name, st)
             if is_reg(mode):
                 blob += rel_prefix
                 blob += name

@@ -85,8 +85,8 @@ def in_parts(top: str, workers: int, scan: Callable[[frozenset[bytes] | None], T
     return parts
 
 
-def _list_part(top: str, skip_top: bytes, only: frozenset[bytes] | None) -> Listing:
-    out = ListingBuilder()
+def _list_part(top: str, skip_top: bytes, for_others: bool, only: frozenset[bytes] | None) -> Listing:
+    out = ListingBuilder(for_others=for_others)
     scan_local(top, top, "", out, skip_top=skip_top, on_error=as_source_error, only=only)
     return out.listing()
 
@@ -122,11 +122,13 @@ class BackgroundScan:
             self._pool = None
 
 
-def list_tree(top: str, *, skip_top: bytes = b"", workers: int | None = None) -> Listing:
-    """A local source folder's listing (see :func:`~.listing.scan_local`), scanned by up to ``workers`` processes."""
+def list_tree(top: str, *, skip_top: bytes = b"", workers: int | None = None, for_others: bool = False) -> Listing:
+    """A local source folder's listing (see :func:`~.listing.scan_local`), scanned by up to ``workers`` processes;
+    ``for_others``: refused (:class:`~.listing.NotForOthersError`) where other users may not read all of it."""
     from functools import partial
 
-    return _in_parallel(top, default_workers() if workers is None else workers, partial(_list_part, top, skip_top))
+    return _in_parallel(top, default_workers() if workers is None else workers,
+                        partial(_list_part, top, skip_top, for_others))
 
 
 def scan_staged_tree(top: str | os.PathLike[str], *, workers: int | None = None) -> Listing:

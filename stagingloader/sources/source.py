@@ -30,7 +30,7 @@ from ..errors import (
     UsageError,
 )
 from ..retry import RetryPolicy, as_source_error, call_with_retry, redact
-from .listing import Listing, ListingBuilder, SourceFile, scan_local
+from .listing import Listing, ListingBuilder, SourceFile, check_for_others, scan_local
 from .objectio import Buffer, ObstoreReader, RangeReader, direct_reader, s3_reader
 from .scanning import list_tree
 
@@ -159,9 +159,12 @@ class Source:
         return f"{self.base}/{rel}" if self.base else rel
 
     # ---- listing ---------------------------------------------------------------------------
-    def listing(self, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> Listing:
-        """List the source into columns, sorted by relative path. Raises SourceError naming what is wrong."""
-        files = self._list_local() if self.is_local else Listing.from_files(
+    def listing(self, include: Sequence[str] = (), exclude: Sequence[str] = (), *, for_others: bool = False
+                ) -> Listing:
+        """List the source into columns, sorted by relative path. Raises SourceError naming what is wrong.
+        ``for_others`` (a local source only): refused, naming the first path, unless every user may read the source
+        folder and all in it (:class:`~.listing.NotForOthersError`), checked on the listing's own ``stat`` calls."""
+        files = self._list_local(for_others) if self.is_local else Listing.from_files(
             f for f in self._list_remote() if f.rel != SOURCE_MANIFEST_NAME)
         if include or exclude:
             keep = np.fromiter((selected(rel, include, exclude) for rel in files.path), dtype=bool, count=len(files))
@@ -171,8 +174,8 @@ class Source:
             raise SourceError(f"source {self.url} holds no files{what}: nothing to stage")
         return files
 
-    def _list_local(self) -> Listing:
-        out = ListingBuilder()
+    def _list_local(self, for_others: bool = False) -> Listing:
+        out = ListingBuilder(for_others=for_others)
         if self.pattern:
             import glob
 
@@ -199,11 +202,13 @@ class Source:
         if fs_type in PSEUDO_FS:
             raise SourceError(f"source {self.url} is on {fs_type}, a kernel file system whose files are not data "
                               "(their sizes read 0): copy what you need into a folder first")
+        if for_others:
+            check_for_others(self.base, st)
         if stat.S_ISREG(st.st_mode):
             self._single = True
             out.add(os.fsencode(os.path.basename(self.base)), st)
             return out.listing()
-        return list_tree(self.base, skip_top=os.fsencode(SOURCE_MANIFEST_NAME))
+        return list_tree(self.base, skip_top=os.fsencode(SOURCE_MANIFEST_NAME), for_others=for_others)
 
     def _list_remote(self) -> list[SourceFile]:
         def listing() -> dict[str, dict[str, Any]]:
@@ -411,4 +416,6 @@ def _scan_one(path: str, base: str, rel: str, out: ListingBuilder) -> None:
         st = os.stat(path)
     except OSError as e:
         raise as_source_error(e, path) from e
+    if out.for_others:
+        check_for_others(path, st)
     out.add(os.fsencode(validate_rel(rel)), st)

@@ -159,14 +159,16 @@ class StagePlan:
 def run_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = None,
               callback: Any = None, on_file: Callable[[int], None] | None = None,
               on_event: Callable[[str], None] | None = None,
-              holder_pid: int | None = None, renew_lease: bool = False) -> StagedDataset:
+              holder_pid: int | None = None, renew_lease: bool = False, listing: Listing | None = None
+              ) -> StagedDataset:
     """Stage ``src`` as ``opts`` say and block until it is published; see :func:`stagingloader.stage`.
+    ``listing``: the source's listing (this node's shard) the caller made, used instead of listing again.
 
     The run's lease is the named one ``opts.lease`` if given, else one tied to the process ``holder_pid`` (the
     Python API's own process; the CLI's caller), else none.  ``renew_lease`` (the CLI): the lease ``holder_pid``
     already holds on the version is kept rather than another taken, so a shell that stages often holds one.
     """
-    run, identity = open_run(src, opts, env=env, on_event=on_event, early_scan=True)
+    run, identity = open_run(src, opts, env=env, on_event=on_event, early_scan=True, listing=listing)
     try:
         if _someone_elses(run.ddir):  # another user's folder, or a link, is refused here
             return _use_read_only(run)

@@ -208,3 +208,55 @@ def test_a_real_job_leaves_one_line_in_roots_trail_per_node(site: Site) -> None:
         assert line["copied_bytes"] + line["reused_bytes"] == line["bytes"], line
         assert line["datasets"][0]["tier"] == "tmpfs" and line["used_bytes"]["tmpfs"] >= line["bytes"], line
         assert path.stat().st_uid == 0 and path.stat().st_mode & 0o077 == 0o040, oct(path.stat().st_mode)
+
+
+
+
+def _root_cli(site: Site, node: str, *args: str) -> Any:
+    """``stagingloader ARGS --json`` as root on ``node``, in a mount namespace of its own whose ``/dev/shm``, ``/tmp``
+    and job user's home are empty tmpfs: it sees this cluster's folders, not those of other tests on the machine."""
+    home = site.user.pw_dir
+    script = (f"mount -t tmpfs tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp && mount -t tmpfs tmpfs {home} && "
+              f"exec {sys.executable} -m stagingloader {' '.join(args)} --json")
+    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "HOME": "/root", "PYTHONPATH": str(REPO),
+           "STAGINGLOADER_CONFIG": site.cluster.hook_env["STAGINGLOADER_CONFIG"], "SLURMD_NODENAME": node,
+           "SLURM_CONF": str(site.cluster.conf)}
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], env=env,
+                          capture_output=True, text=True, timeout=120, cwd="/")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, (args, proc.stdout, proc.stderr)
+    return json.loads(proc.stdout)
+
+
+def test_gc_all_users_drops_the_leases_of_jobs_slurm_no_longer_runs(site: Site) -> None:
+    """A running job's lease stays; a lease ``slurm-job-<id>`` of a job Slurm no longer lists (its epilog never ran
+    on this node: here, taken by hand) goes, dropped as the user; then the dataset it pinned can be evicted."""
+    src = make_tree(site.sources / "orphan", {f"{i}.bin": 2000 for i in range(4)})
+    folder = site.private("n1")
+    script = site.out / "long.sh"
+    script.write_text("#!/bin/sh\nsleep 120\n")
+    script.chmod(0o755)
+    running = site.cluster.sbatch(str(script), "-w", "n1", "--comment", f"stage={site.sources / 'more'}",
+                                  f"--output={site.out}/long.log", user=site.user)
+    try:
+        _until(lambda: site.cluster.job_state(running) == "RUNNING" and _job_leases(folder, running),
+               "the long job to run with its lease")
+        stage = site.cluster.run(sys.executable, "-m", "stagingloader", "stage", str(src), "--root", str(folder),
+                                 "--lease", "slurm-job-999999", "-q", "--json", user=site.user)
+        orphan = json.loads(stage.stdout)["dataset_dir"]
+        listing = _root_cli(site, "n1", "ls", "--all-users")
+        jobs = {Path(d["path"]).name: d["jobs"] for d in listing["datasets"]}
+        assert jobs[Path(orphan).name] == ["999999"] and [running] in jobs.values(), listing
+        result = _root_cli(site, "n1", "gc", "--all-users")
+        assert result["slurm_asked"] is True, result
+        assert result["job_leases_dropped"] == [{"dataset": orphan, "lease": "slurm-job-999999"}], result
+        assert _job_leases(folder, running), "the running job's lease stays"
+        assert Path(orphan).is_dir() and not _job_leases(folder, "999999")
+        assert Path(orphan).stat().st_uid == site.user.pw_uid  # her dataset, worked in as her
+        evicted = _root_cli(site, "n1", "gc", "--all-users", "--keep-bytes", "0")
+        assert orphan in evicted["removed_paths"] and not Path(orphan).exists(), evicted
+        assert _job_leases(folder, running), "a running job's dataset is never evicted"
+    finally:
+        site.cluster.run("scancel", running, check=False)
+        site.cluster.wait_job(running)
+        site.cluster.wait_epilogs()
+

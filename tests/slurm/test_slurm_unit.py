@@ -161,3 +161,49 @@ def test_task_prolog_lines() -> None:
         "export STAGINGLOADER_STATUS_VAL=failed: NoSpaceError: full",
         "export STAGINGLOADER_STATUS_2=staging",
     ]
+
+
+# ---- the node budget (issue 29) ---------------------------------------------------------------------
+def test_node_budget_in_the_site_config() -> None:
+    cfg = config.parse({"node_budget": {"tmpfs": "200G", "nvme": 4096}}, "c.toml", {})
+    assert cfg.node_budget == {"tmpfs": 200 << 30, "nvme": 4096}
+    assert config.parse({}, "c.toml", {}).node_budget == {}
+    for bad in ({"ram": "1G"}, "200G", {}, {"tmpfs": "lots"}, {"tmpfs": -1}):
+        with pytest.raises(UsageError, match=r"site config c\.toml: .*"):
+            config.parse({"node_budget": bad}, "c.toml", {})
+    with pytest.raises(UsageError, match=r"\[node_budget\] takes tmpfs"):
+        config.parse({"node_budget": {"ram": "1G"}}, "c.toml", {})
+
+
+def _row(path: str, tier: str, size: int, used: float, *, leases: tuple[str, ...] = (),
+         state: str = "ready") -> dict[str, object]:
+    return {"path": path, "tier": tier, "bytes": size, "incoming_bytes": 0, "last_used": used,
+            "leases": list(leases), "state": state}
+
+
+def test_plan_evictions_takes_the_oldest_unleased_first_in_each_tier_over_its_budget() -> None:
+    from stagingloader.slurm.node import plan_evictions
+
+    rows = [_row("/a", "tmpfs", 100, 3.0), _row("/b", "tmpfs", 100, 1.0, leases=("slurm-job-7@v1",)),
+            _row("/c", "tmpfs", 100, 2.0), _row("/d", "tmpfs", 100, 0.5, state="staging"),
+            _row("/e", "nvme", 500, 1.0), _row("/f", "tmpfs", 50, 4.0)]
+    # tmpfs holds 450 against 250: /c (the oldest free one) and /a go, never /b (leased) nor /d (being staged)
+    assert [r["path"] for r in plan_evictions(rows, {"tmpfs": 250}, set())] == ["/c", "/a"]
+    assert [r["path"] for r in plan_evictions(rows, {"tmpfs": 250}, {"/c"})] == ["/a", "/f"]  # /c was held
+    assert plan_evictions(rows, {"tmpfs": 450, "nvme": 500}, set()) == []
+    assert [r["path"] for r in plan_evictions(rows, {"nvme": 0}, set())] == ["/e"]
+    assert [r["path"] for r in plan_evictions(rows, {"tmpfs": 0}, set())] == ["/c", "/a", "/f"]  # all it can
+
+
+@given(st.lists(st.tuples(st.integers(0, 1000), st.floats(0, 10), st.booleans()), max_size=12), st.integers(0, 5000))
+def test_plan_evictions_never_takes_a_leased_dataset_and_frees_enough_when_it_can(
+        items: list[tuple[int, float, bool]], budget: int) -> None:
+    from stagingloader.slurm.node import plan_evictions
+
+    rows = [_row(f"/{i}", "tmpfs", size, used, leases=("x@v1",) if leased else ()) for i, (size, used, leased)
+            in enumerate(items)]
+    doomed = plan_evictions(rows, {"tmpfs": budget}, set())
+    assert not any(r["leases"] for r in doomed)
+    left = sum(int(r["bytes"]) for r in rows) - sum(int(r["bytes"]) for r in doomed)  # type: ignore[call-overload]
+    free_left = [r for r in rows if not r["leases"] and r not in doomed]
+    assert left <= budget or not free_left  # under the budget, or nothing more could go

@@ -92,7 +92,9 @@ class SlurmCluster:
     """Start with :meth:`start`, stop with :meth:`stop` (or use as a context manager)."""
 
     def __init__(self, *, hooks_python: str, extra_conf: str = "", hook_env: dict[str, str] | None = None,
-                 prolog_epilog_timeout: int = 60) -> None:
+                 prolog_epilog_timeout: int = 60, node_mounts: Sequence[str] = ()) -> None:
+        """``node_mounts``: ``mount`` commands each slurmd runs first, in a mount namespace of its own (e.g. a tmpfs
+        of its own on /dev/shm): what the hooks and jobs of that node see, and nothing else on the machine."""
         base = "/run" if os.access("/run", os.W_OK) else None
         self.dir = Path(tempfile.mkdtemp(prefix="sl-slurm-", dir=base))
         os.chmod(self.dir, 0o755)
@@ -103,6 +105,8 @@ class SlurmCluster:
         self.conf = self.dir / "slurm.conf"
         self.munge_socket = self.dir / "munge" / "munge.sock"
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.node_mounts = tuple(node_mounts)
+        self.slurmd: dict[str, subprocess.Popen[bytes]] = {}
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
 
     # ---- set-up ------------------------------------------------------------------------------
@@ -193,7 +197,11 @@ PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
         self._wait(lambda: self.munge_socket.exists(), 10, "munged's socket")
         self._start(["slurmctld", "-D", "-i", "-f", str(self.conf)], "slurmctld.out")
         for n in NODES:
-            self._start(["slurmd", "-D", "-N", n, "-f", str(self.conf)], f"slurmd-{n}.out")
+            argv = ["slurmd", "-D", "-N", n, "-f", str(self.conf)]
+            if self.node_mounts:  # unshare execs (no fork): the process we hold is the node's slurmd
+                script = " && ".join([*self.node_mounts, 'exec "$@"'])
+                argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *argv]
+            self.slurmd[n] = self._start(argv, f"slurmd-{n}.out")
         self._wait(lambda: self.node_states() == {n: "idle" for n in NODES}, timeout, "idle nodes")
 
     def _wait(self, cond: Any, timeout: float, what: str) -> None:
@@ -208,6 +216,10 @@ PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
                     return
             time.sleep(0.2)
         raise TimeoutError(f"timed out waiting for {what}:\n" + self.logs())
+
+    def on_node(self, node: str, path: str | os.PathLike[str]) -> Path:
+        """``path`` as ``node`` sees it (its slurmd's mount namespace), from here."""
+        return Path(f"/proc/{self.slurmd[node].pid}/root{os.path.abspath(path)}")
 
     def logs(self, tail: int = 3000) -> str:
         out = []
