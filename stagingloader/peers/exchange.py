@@ -379,6 +379,11 @@ def wait_for(inbox: queue.Queue[tuple[Any, ...]], kind: str, ranks: list[int], c
     events are kept in ``stash`` for the exchange."""
     got: dict[int, Any] = {}
     pending = set(ranks)
+    for ev in list(stash):  # what came early, while this node waited for an earlier step (a peer's needs, sent
+        if ev[0] == kind and ev[1] in pending:  # while this node still waited for node 0's listing)
+            got[ev[1]] = ev[2]
+            pending.discard(ev[1])
+            stash.remove(ev)
     while pending:
         pending -= {r for r in pending if channels.peers[r].dead is not None or channels.peers[r].gone}
         if not pending:

@@ -41,6 +41,22 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+#: a node that gets node 0's listing late (a loaded machine): the others' needs reach it before the listing
+LATE = """
+import sys, time
+from stagingloader.peers import stage
+
+real = stage.PeerNode._on_message
+def late(self, p, fields, read):
+    if fields.get("k") == "plan":
+        time.sleep(3)
+    return real(self, p, fields, read)
+stage.PeerNode._on_message = late
+from stagingloader.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @dataclass
 class Node:
     rank: int
@@ -64,7 +80,7 @@ def free_port() -> int:
 
 def start(src: str, roots: Sequence[Path], *, args: Sequence[str] = (), timeout: float = 60.0,
           env: dict[str, str] | None = None, evil: Sequence[int] = (), keys: dict[int, str] | None = None,
-          world: int | None = None) -> list[Node]:
+          world: int | None = None, late: Sequence[int] = ()) -> list[Node]:
     """Start one node per root (``world`` may say more nodes than are started: the others never come).
     ``timeout``: generous, as the time to meet and plan is four torch imports on a loaded 2-core machine (a
     node's death is noticed at once, by its closed sockets, whatever the timeout)."""
@@ -78,7 +94,8 @@ def start(src: str, roots: Sequence[Path], *, args: Sequence[str] = (), timeout:
         for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_JOB_ID", "SLURM_PROCID"):
             node_env.pop(name, None)
         cmd = ["stage", src, "--peers", "--root", str(root), "--json", "--peer-timeout", str(timeout), *args]
-        head = [sys.executable, "-c", EVIL] if rank in evil else [sys.executable, "-m", "stagingloader"]
+        head = ([sys.executable, "-c", EVIL] if rank in evil else [sys.executable, "-c", LATE] if rank in late else
+                [sys.executable, "-m", "stagingloader"])
         proc = subprocess.Popen([*head, *cmd], env=node_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
         nodes.append(Node(rank, root, proc))

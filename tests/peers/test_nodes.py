@@ -68,6 +68,17 @@ def test_every_node_ends_with_the_whole_dataset_read_once(src: Path, tmp_path: P
     reuse.release()
 
 
+def test_a_node_late_to_the_listing_still_hears_the_others_needs(src: Path, tmp_path: Path) -> None:
+    """Node 2 gets node 0's listing 3 s late (a loaded machine): the needs nodes 1 and 3 sent meanwhile were put
+    aside while it waited for the listing, and once counted as never sent (node 2 then waited out the timeout,
+    counted them out and read everything itself)."""
+    roots = [tmp_path / f"node{i}" for i in range(4)]
+    results = [n.result for n in nd.finish(nd.start(str(src), roots, late=[2], timeout=30))]
+    _check_whole(src, roots)
+    assert [r["peers"]["peers_out"] for r in results] == [{}] * 4
+    assert sum(r["peers"]["from_source_files"] for r in results) == len(FILES)
+
+
 def test_a_restage_moves_only_what_changed(src: Path, tmp_path: Path) -> None:
     roots = [tmp_path / f"node{i}" for i in range(3)]
     nd.run(str(src), roots)
