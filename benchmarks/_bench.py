@@ -330,7 +330,7 @@ def fmt_rate(n: float, s: float | None, unit: float = 1e9, digits: int = 2) -> s
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     header = [str(h).replace("|", "\\|") for h in header]
     rows = [[str(c).replace("|", "\\|") for c in r] for r in rows]
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(header)]
+    widths = [max([len(str(h))] + [len(str(r[i])) for r in rows]) for i, h in enumerate(header)]
     line = "| " + " | ".join(str(h).ljust(w) for h, w in zip(header, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     body = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]

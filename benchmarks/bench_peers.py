@@ -494,7 +494,8 @@ def summarise(runs: list[dict[str, Any]]) -> tuple[list[list[str]], list[dict[st
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", default=None, help="comma list of node counts (default 2,4,8; quick 2)")
+    ap.add_argument("--nodes", default=None, help="comma list of node counts (default 2,4,8; quick 2; none: only the "
+                                                  "streaming runs)")
     ap.add_argument("--size", default=None, help="dataset bytes (default 200M; quick 8M)")
     ap.add_argument("--cap", default=None, help="the source's bytes/s for all connections together "
                                                 "(default 40M; quick 20M)")
@@ -515,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a smoke run: ~8 MB, 2 nodes (+ a 3-node kill), no wait")
     ap.add_argument("--out", default=str(B.RESULTS / "peers.json"))
     a = ap.parse_args(argv)
-    nodes = [int(x) for x in (a.nodes or ("2" if a.quick else "2,4,8")).split(",") if x]
+    nodes = [] if a.nodes == "none" else [int(x) for x in (a.nodes or ("2" if a.quick else "2,4,8")).split(",") if x]
     size = parse_size(a.size or ("8M" if a.quick else "200M"))
     cap = parse_size(a.cap or ("20M" if a.quick else "40M"))
     repeats = a.repeats if a.repeats is not None else (1 if a.quick else 2)
