@@ -28,4 +28,8 @@ def test_the_quick_peers_benchmark_measures_verified_runs(tmp_path: Path) -> Non
     assert kill["survivors_whole"] and [n["killed"] for n in kill["node"]].count(True) == 1
     assert kill["extra_x"] <= kill["share"] + 0.05  # at most the killed node's share again
     assert report["ratios"][0]["source_ratio"] <= 0.55
+    streams = {r["mode"]: r for r in report["streams"]}  # streaming: a reader on each node read every byte
+    assert set(streams) == {"stream-independent", "stream-peers"} and all(r["verified"] for r in streams.values())
+    assert streams["stream-independent"]["source_x"] >= 1.95 and 1.0 <= streams["stream-peers"]["source_x"] <= 1.1
+    assert all(0 < r["first_batch_s"] <= r["all_read_s"] <= r["published_s"] for r in streams.values())
     assert not (tmp_path / "roots").exists(), "the nodes' roots were left behind"
