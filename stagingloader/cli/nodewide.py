@@ -99,5 +99,23 @@ def gc_all(args: argparse.Namespace) -> Result:
     if not result["tiers"] or all(v["budget"] is None for v in result["tiers"].values()):
         lines.append("no budget: nothing evicted for space (give --keep-bytes N, or [node_budget] in the site config)")
     lines += [f"skipped: {why}" for why in result["skipped"]]
+    result["logs_removed"] = _retain_logs(cfg, args, lines)
     _print(args, lines)
     return ExitCode.OK, result
+
+
+def _retain_logs(cfg: Any, args: argparse.Namespace, lines: list[str]) -> list[str]:
+    """The site's ``log_retention_days``, as the epilog applies it: root's per-job logs older than that go (all
+    users' only: ``--user`` leaves the logs alone).  The paths removed (or that would be)."""
+    if cfg.log_retention_days is None or args.user is not None:
+        return []
+    import time
+
+    from ..slurm import trail
+
+    days = cfg.log_retention_days
+    gone = trail.prune_logs(cfg.path(cfg.log_dir), days, now=time.time(), deadline=time.monotonic() + 60,
+                            dry_run=args.dry_run)
+    lines.append(f"{'would remove' if args.dry_run else 'removed'} {plural(len(gone), 'job log')} older than "
+                 f"{days:g} days (log_retention_days)")
+    return gone

@@ -185,9 +185,10 @@ def used_bytes(folder: Path, deadline: float) -> int | None:
 
 # ---- retention --------------------------------------------------------------------------------------------------
 def prune_logs(log_dir: Path, days: float, *, now: float, deadline: float,
-               say: Callable[[str], None] | None = None) -> list[str]:
+               say: Callable[[str], None] | None = None, dry_run: bool = False) -> list[str]:
     """Remove the per-job logs in ``log_dir`` and its ``users/<user>/`` folders last changed more than ``days`` ago:
-    root's own plain files named ``<id>.log`` only, never through a link.  The paths removed."""
+    root's own plain files named ``<id>.log`` only, never through a link.  The paths removed (``dry_run``: that
+    would be, removing nothing)."""
     cutoff = now - days * 86400
     removed: list[str] = []
     try:
@@ -197,7 +198,7 @@ def prune_logs(log_dir: Path, days: float, *, now: float, deadline: float,
     try:
         if not _roots_folder(os.fstat(top)):
             return removed
-        removed += _prune_in(top, log_dir, cutoff, deadline)
+        removed += _prune_in(top, log_dir, cutoff, deadline, dry_run)
         try:
             users = os.open("users", _DIR, dir_fd=top)
         except OSError:
@@ -211,14 +212,14 @@ def prune_logs(log_dir: Path, days: float, *, now: float, deadline: float,
                 with contextlib.suppress(OSError):
                     ufd = os.open(entry.name, _DIR, dir_fd=users)
                     try:
-                        removed += _prune_in(ufd, log_dir / "users" / entry.name, cutoff, deadline)
+                        removed += _prune_in(ufd, log_dir / "users" / entry.name, cutoff, deadline, dry_run)
                     finally:
                         os.close(ufd)
         finally:
             os.close(users)
     finally:
         os.close(top)
-    if removed and say is not None:
+    if removed and say is not None and not dry_run:
         say(f"removed {len(removed)} job log(s) older than {days:g} days (log_retention_days)")
     return removed
 
@@ -227,7 +228,7 @@ def _roots_folder(st: os.stat_result) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
-def _prune_in(dfd: int, where: Path, cutoff: float, deadline: float) -> list[str]:
+def _prune_in(dfd: int, where: Path, cutoff: float, deadline: float, dry_run: bool) -> list[str]:
     removed = []
     with os.scandir(dfd) as entries:
         names = [e.name for e in entries if JOB_LOG.match(e.name)]
@@ -238,6 +239,7 @@ def _prune_in(dfd: int, where: Path, cutoff: float, deadline: float) -> list[str
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             if (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
                     and st.st_mtime < cutoff):
-                os.unlink(name, dir_fd=dfd)
+                if not dry_run:
+                    os.unlink(name, dir_fd=dfd)
                 removed.append(str(where / name))
     return removed

@@ -300,3 +300,29 @@ def test_a_registry_naming_another_users_folder_does_not_make_it_hers(node: Node
     assert gc["folders"] == [{"path": "/dev/shm/stagingloader-sltest", "owner": "sltest", "tier": "tmpfs"}], gc
     assert gc["removed_paths"] == [mine["dataset_dir"]], gc
     assert node.inside(theirs["dataset_dir"]).is_dir()
+
+
+def test_gc_all_users_applies_the_log_retention_as_the_epilog_does(node: Node) -> None:
+    """log_retention_days: gc --all-users removes root's per-job logs older than that (a dry run names them and
+    removes nothing); a user's file named like a log, a link and a recent log stay; --user leaves the logs alone."""
+    node.configure("log_retention_days = 30")
+    log_dir = node.base / "log"
+    (log_dir / "users" / "sltest").mkdir(parents=True)
+    old = time.time() - 40 * 86400
+    for name in ("7.log", "8.log", "users/sltest/7.log"):
+        (log_dir / name).write_text("old\n")
+        os.utime(log_dir / name, (old, old))
+    (log_dir / "9.log").write_text("new\n")
+    (log_dir / "10.log").write_text("hers\n")
+    os.chown(log_dir / "10.log", node.users["sltest"].pw_uid, -1)
+    os.utime(log_dir / "10.log", (old, old))
+    (log_dir / "11.log").symlink_to(log_dir / "9.log")
+    os.utime(log_dir / "11.log", (old, old), follow_symlinks=False)
+    dry = node.json("gc", "--all-users", "--dry-run")
+    old_logs = sorted(str(log_dir / n) for n in ("7.log", "8.log", "users/sltest/7.log"))
+    assert sorted(dry["logs_removed"]) == old_logs and all(Path(p).exists() for p in old_logs)
+    assert node.json("gc", "--user", "sltest")["logs_removed"] == []
+    text = node.cli("gc", "--all-users").stdout
+    assert "removed 3 job logs older than 30 days (log_retention_days)" in text, text
+    assert sorted(p.name for p in log_dir.iterdir()) == ["10.log", "11.log", "9.log", "users"]
+    assert not (log_dir / "users" / "sltest" / "7.log").exists()
