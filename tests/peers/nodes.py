@@ -139,5 +139,24 @@ def kill_pid_when(pid: int, ready: Callable[[], bool], timeout: float = 120) -> 
     return False
 
 
+def run_ranks(script: str, *args: str, ranks: int = 4, per_node: int = 2) -> list[dict[str, Any]]:
+    """``python -c script ARGS`` as every rank of a torchrun job on loopback (``per_node`` ranks a node, one node
+    per ``per_node`` ranks): the last line each printed, as JSON."""
+    port = free_port()
+    procs = []
+    for rank in range(ranks):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank % per_node),
+               "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(rank // per_node), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "STAGINGLOADER_PEER_KEY": "k", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        procs.append(subprocess.Popen([sys.executable, "-c", script, *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        assert p.returncode == 0, stderr[-3000:]
+        out.append(dict(json.loads(stdout.strip().splitlines()[-1])))
+    return out
+
+
 def files_in_incoming(root: Path) -> int:
     return sum(len(files) for _d, _s, files in os.walk(root) if "/incoming/data" in _d)

@@ -207,24 +207,7 @@ print(json.dumps({"rank": os.environ["RANK"], "root": str(ds.root), "peers": ds.
 def test_several_ranks_per_node_one_takes_part(src: Path, tmp_path: Path, mode: str) -> None:
     """Two nodes of two ranks each, from an initialised default group or torchrun's variables: local rank 0 of
     each node stages with the other node, the other rank waits for it and gets the same copy."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    port = nd.free_port()
-    procs = []
-    for rank in range(4):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank % 2),
-               "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(rank // 2), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "STAGINGLOADER_PEER_KEY": "k", "TORCH_CPP_LOG_LEVEL": "ERROR"}
-        procs.append(subprocess.Popen([sys.executable, "-c", RANKS, str(src), str(tmp_path), mode], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=240)
-        assert p.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    out = nd.run_ranks(RANKS, str(src), str(tmp_path), mode)
     leaders = [r for r in out if int(r["rank"]) % 2 == 0]
     assert all(r["peers"] is not None and r["peers"]["nodes"] == 2 for r in leaders), leaders
     assert sum(r["peers"]["from_source_files"] for r in leaders) == len(FILES)

@@ -4,7 +4,6 @@ verified version.  Emulated nodes over loopback (tests/peers/nodes.py), the S3 s
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -203,24 +202,8 @@ done.release()
 def test_several_ranks_per_node_stream_with_one_stager_each(tmp_path: Path) -> None:
     """Two nodes of two ranks each (torchrun's variables) call stage(peers=True, wait=False): local rank 0 of each
     node streams with the other node, the other rank reads along; every rank reads and gets the same version."""
-    import os
-    import subprocess
-    import sys
-
     src = make_tree(tmp_path / "src", FILES)
-    port = nd.free_port()
-    procs = []
-    for rank in range(4):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank % 2),
-               "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(rank // 2), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "STAGINGLOADER_PEER_KEY": "k", "TORCH_CPP_LOG_LEVEL": "ERROR"}
-        procs.append(subprocess.Popen([sys.executable, "-c", RANKS, str(src), str(tmp_path)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=240)
-        assert p.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    out = nd.run_ranks(RANKS, str(src), str(tmp_path))
     for r in out:
         assert r["size"] == FILES[r["last"]]
         assert tree_digests(Path(r["data"])) == tree_digests(src)
