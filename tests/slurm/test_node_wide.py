@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.mountns import empty_tmpfs
 from tests.support.slurm import ensure_user, job_user
 from tests.support.trees import make_tree
 
@@ -45,9 +46,8 @@ class Node:
         while os.readlink(f"/proc/{self.holder.pid}/ns/mnt") == os.readlink("/proc/self/ns/mnt"):
             assert time.monotonic() < deadline, "unshare did not make a mount namespace"
             time.sleep(0.01)
-        mounts = ["mount -t tmpfs -o mode=1777,size=256m tmpfs /dev/shm", "mount -t tmpfs -o mode=1777 tmpfs /tmp"]
-        mounts += [f"mount -t tmpfs -o mode=0755,uid={u.pw_uid},gid={u.pw_gid} tmpfs {u.pw_dir}"
-                   for u in self.users.values()]
+        mounts = empty_tmpfs([("/dev/shm", "mode=1777,size=256m"), ("/tmp", "mode=1777")]
+                             + [(u.pw_dir, f"mode=0755,uid={u.pw_uid},gid={u.pw_gid}") for u in self.users.values()])
         self.sh(" && ".join(mounts))
         self.configure()
 

@@ -24,6 +24,7 @@ import pytest
 from stagingloader.cache.layout import DatasetDir
 from stagingloader.cache.locking import DatasetLock
 from tests.slurm.test_slurm import REPO, USER, Site
+from tests.support.mountns import empty_tmpfs
 from tests.support.slurm import SlurmCluster, ensure_installed, job_user
 from tests.support.trees import make_tree
 
@@ -216,8 +217,8 @@ def _root_cli(site: Site, node: str, *args: str) -> Any:
     """``stagingloader ARGS --json`` as root on ``node``, in a mount namespace of its own whose ``/dev/shm``, ``/tmp``
     and job user's home are empty tmpfs: it sees this cluster's folders, not those of other tests on the machine."""
     home = site.user.pw_dir
-    script = (f"mount -t tmpfs tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp && mount -t tmpfs tmpfs {home} && "
-              f"exec {sys.executable} -m stagingloader {' '.join(args)} --json")
+    mounts = empty_tmpfs([("/dev/shm", ""), ("/tmp", ""), (home, "")])
+    script = " && ".join([*mounts, f"exec {sys.executable} -m stagingloader {' '.join(args)} --json"])
     env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "HOME": "/root", "PYTHONPATH": str(REPO),
            "STAGINGLOADER_CONFIG": site.cluster.hook_env["STAGINGLOADER_CONFIG"], "SLURMD_NODENAME": node,
            "SLURM_CONF": str(site.cluster.conf)}

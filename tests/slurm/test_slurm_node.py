@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.slurm.test_slurm import REPO, USER, Site
+from tests.support.mountns import empty_tmpfs
 from tests.support.slurm import SlurmCluster, ensure_installed, job_user
 from tests.support.trees import make_tree
 
@@ -39,8 +40,8 @@ def site() -> Iterator[Site]:
     config.write_text(f'log_dir = "{base}/log/{{node}}"\nstate_dir = "{base}/state/{{node}}"\n'
                       f'[roots]\ntmpfs = "{base}/roots/{{node}}/tmpfs"\n')
     config.chmod(0o644)
-    mounts = ["mount -t tmpfs -o mode=1777 tmpfs /dev/shm", "mount -t tmpfs -o mode=1777 tmpfs /tmp",
-              f"mount -t tmpfs -o mode=0755,uid={user.pw_uid},gid={user.pw_gid} tmpfs {user.pw_dir}"]
+    mounts = empty_tmpfs([("/dev/shm", "mode=1777"), ("/tmp", "mode=1777"),
+                          (user.pw_dir, f"mode=0755,uid={user.pw_uid},gid={user.pw_gid}")])
     cluster = SlurmCluster(hooks_python=sys.executable, node_mounts=mounts,
                            hook_env={"STAGINGLOADER_CONFIG": str(config), "PYTHONPATH": str(REPO)})
     cluster.start()
