@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,11 +24,10 @@ def empty_tmpfs(targets: Sequence[tuple[str, str]]) -> list[str]:
     keep = [p for p in {str(REPO), os.path.realpath(sys.prefix)} if any(_under(p, t) for t, _ in targets)]
     keep = [p for p in keep if not any(q != p and _under(p, q) for q in keep)]  # the venv inside the checkout
     before, after = [], []
-    for path in sorted(keep):
-        hold = f"/var/tmp/sl-keep-{uuid.uuid4().hex[:12]}"
-        before.append(f"mkdir -p {hold} && mount --bind {shlex.quote(path)} {hold}")
-        after.append(f"mkdir -p {shlex.quote(path)} && mount --bind {hold} {shlex.quote(path)} && umount {hold} && "
-                     f"rmdir {hold}")
+    for i, path in enumerate(sorted(keep)):  # a hold folder per run of the commands (several nodes run them at once)
+        before.append(f"keep{i}=$(mktemp -d /var/tmp/sl-keep-XXXXXX) && mount --bind {shlex.quote(path)} $keep{i}")
+        after.append(f"mkdir -p {shlex.quote(path)} && mount --bind $keep{i} {shlex.quote(path)} && "
+                     f"umount $keep{i} && rmdir $keep{i}")
     mounts = [f"mount -t tmpfs {'-o ' + opts + ' ' if opts else ''}tmpfs {shlex.quote(target)}"
               for target, opts in targets]
     return before + mounts + after
