@@ -320,18 +320,22 @@ class LoaderIter:
     def _bury(self) -> None:
         """A worker died: stop them all now (torch leaves that to the iterator's collection), return their slots,
         and let the next ``iter(loader)`` start fresh workers."""
-        if self._receiver is not None:
-            self._receiver.stop.set()  # it may be waiting on the dead worker's batch: it stops at its next look
-        shut = shutdown_workers(self.inner)
-        if self._receiver is not None:
-            self._receiver.close(wait=5.0)  # joined and drained: batches it had received give their slots back
-        if current_iterator(self.loader) is self.inner:
-            forget_iterator(self.loader)
-        pool = self.loader.pool
-        if shut and pool is not None:
-            pool.reset()  # torch has joined or terminated every worker: none of them holds a slot any more
-        else:
-            self._settle()
+        shut = False
+        try:
+            if self._receiver is not None:
+                self._receiver.stop.set()  # it may be waiting on the dead worker's batch: it stops at its next look
+            shut = shutdown_workers(self.inner)
+            if self._receiver is not None:
+                self._receiver.close(wait=5.0)  # joined and drained: batches it had received give their slots back
+            if current_iterator(self.loader) is self.inner:
+                forget_iterator(self.loader)
+        finally:  # torch's SIGCHLD handler may raise in here too (the other worker ending): the slots still go back
+            pool = self.loader.pool
+            workers = worker_processes(self.inner)
+            if pool is not None and (shut or (workers and all(w.exitcode is not None for w in workers))):
+                pool.reset()  # every worker has been joined or has ended: none of them holds a slot any more
+            else:
+                self._settle()
 
     def _settle(self) -> None:
         """Once torch has shut this iterator's workers down, none of them holds a slot any more."""
