@@ -35,10 +35,12 @@ import numpy as np
 
 from ..cache.layout import dataset_key
 from ..engine.copier import Copier, Progress
+from ..errors import NoSpaceError
 from ..sources.source import Source
 from ..staging import stager as st
 from ..streaming import process as sp
 from ..streaming.schedule import Rows
+from ..units import human_bytes
 from . import wire
 from .exchange import Exchange, Figures, Local
 from .stage import NoPlan, PeerNode, held_entries, summary
@@ -193,6 +195,20 @@ class _PeerStreamRun(sp.StreamRun):
         self._last_pos = 0.0
         self._remote_pos: dict[str, int] = {}
         self._fwd_lock = threading.Lock()
+
+    def _limit(self, ready_bytes: int) -> int | None:
+        """None: every node streams the whole dataset; one that does not fit its tier is refused, as an eviction
+        here would take files the other nodes are to be served from this copy."""
+        limit = super()._limit(ready_bytes)
+        if limit is not None:
+            run = self.run_
+            total = int(self.listing.size.sum())
+            raise NoSpaceError(
+                f"{run.source.url} ({human_bytes(total)}) does not fit {run.tier.describe()} on this node, and "
+                "--peers streams the whole dataset on every node: free space (stagingloader gc --keep-bytes N), "
+                "raise --max-ram-fraction for tmpfs, pick a bigger --root, or stream without --peers (with "
+                "--cache-limit)")
+        return None
 
     def plan_rows(self, rows: np.ndarray) -> None:
         run, lp = self.run_, self.lp

@@ -211,3 +211,17 @@ def test_several_ranks_per_node_stream_with_one_stager_each(tmp_path: Path) -> N
     logs = [(tmp_path / f"node{k}").rglob("stager.log") for k in range(2)]
     told = "".join(p.read_text() for found in logs for p in found)
     assert told.count("read from the source") == 2, told  # one stager per node took part in the exchange
+
+
+def test_a_node_whose_tier_is_too_small_is_refused_and_the_other_streams_whole(tmp_path: Path,
+                                                                               tiny_tmpfs: Path) -> None:
+    """Node 1's root is a real 16 MiB tmpfs, the dataset 23 MB: it would have to evict files it is to serve, so
+    it is refused with what to do (exit 3, no traceback), and node 0 reads its share from the source."""
+    src = make_tree(tmp_path / "src", FILES)
+    roots = [tmp_path / "node0", tiny_tmpfs]
+    running = nd.finish(nd.start(str(src), roots, args=["--no-wait"], timeout=8))
+    assert running[1].proc.returncode == 3, (running[1].out, running[1].err)
+    assert "Traceback" not in running[1].err and "does not fit" in running[1].err
+    assert "--peers streams the whole dataset on every node" in running[1].err
+    assert tree_digests(_published(running[0].result)) == tree_digests(src)
+    assert not any(p.is_file() for p in tiny_tmpfs.rglob("*") if "/incoming/data/" in str(p))
