@@ -44,7 +44,7 @@ from ..units import human_bytes
 from . import wire
 from .exchange import Exchange, Figures, Local
 from .stage import NoPlan, PeerNode, held_entries, summary
-from .world import JoinError, join, meeting, wait_for_node
+from .world import JoinError, Meeting, join, meeting, wait_for_node
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,10 @@ def stream_with_peers(req: sp.StreamRequest, *, tell: Callable[[dict[str, Any]],
         say(f"warning: --peers: {why}; streaming this node alone from the source")
         sp.stream_stage(req, tell=tell, stop=stop, env=env)
 
-    m = meeting(env)
+    site = req.peers  # the Slurm prolog's: where the job's nodes meet, under the site's key for this job
+    m = meeting(env) if site is None else Meeting(
+        f"the job's node list (node {site['node']} of {site['nodes']}; port {site['port']} from the job id)",
+        str(site["addr"]), int(site["port"]), int(site["node"]), int(site["nodes"]), 0, str(site["job"]))
     tag = dataset_key(st.dataset_identity(Source(req.src, opts.storage_options), opts))
     if m.local_rank != 0:  # its node's local rank 0 streams with the peers: read along with that stream
         say("peers: local rank 0 of this node streams with the other nodes; waiting for it to start")
@@ -87,7 +90,8 @@ def stream_with_peers(req: sp.StreamRequest, *, tell: Callable[[dict[str, Any]],
     except JoinError as e:
         alone(str(e))
         return
-    secret = wire.user_secret(env)
+    secret = wire.user_secret(env) if site is None else (bytes.fromhex(site["key"]),
+                                                          "the site's peer key, for this job")
     say(f"peers: node {world.node} of {world.nodes}, met through {world.how} (key: {secret[1]})")
 
     def tell_node(msg: dict[str, Any]) -> None:

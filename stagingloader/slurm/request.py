@@ -78,10 +78,6 @@ def make_request(src: str, *, root: str = "auto", name: str | None = None, shard
     if peers and shard is not None:
         raise UsageError("peers=yes gives every node the whole dataset, read from the source once; shard=node gives "
                          "each node a part: drop one of them")
-    if peers and not wait:
-        raise UsageError("peers=yes stages before the job starts; the prolog does not stream with peers (wait=no): "
-                         "drop one of them, or stream with peers from the job script (srun --ntasks-per-node=1 "
-                         "stagingloader stage SRC --peers --no-wait)")
     return StageRequest(src=_check_src(src), root=root, name=name, shard=shard, wait=wait, peers=peers)
 
 

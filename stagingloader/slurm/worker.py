@@ -90,7 +90,12 @@ def _stage(op: dict[str, Any]) -> dict[str, Any]:
     opts = replace(opts, root=str(chosen))
     try:
         ds: StagedDataset | StagePlan
-        if op.get("peers"):
+        if op.get("peers") and op.get("wait", True) is False:  # each node streams, the nodes read the source once
+            from ..streaming.handle import stage_streaming
+
+            ds = stage_streaming(op["src"], replace(opts, peers=True, peer_timeout=float(op["peers"]["timeout"])),
+                                 env={}, peers=op["peers"])
+        elif op.get("peers"):
             ds = _stage_with_peers(op, opts)
         elif op.get("wait", True) is False:  # wait=no: a detached streaming stager under the job's lease; it stops
             from ..streaming.handle import stage_streaming  # when the epilog drops that lease

@@ -183,10 +183,12 @@ class StreamHandle:
 
 def stage_streaming(src: str, opts: StageOptions, *, holder_pid: int | None = None,
                     on_event: Callable[[str], None] | None = None,
-                    env: dict[str, str] | None = None) -> StagedDataset:
+                    env: dict[str, str] | None = None, peers: dict[str, Any] | None = None) -> StagedDataset:
     """``stage(src, wait=False)``: start (or join) a streaming stage; a StagedDataset as soon as it streams.
-    ``opts.cache_limit`` keeps at most that many bytes on the tier."""
-    req = StreamRequest(src=src, opts=replace(opts, wait=False, distributed=False), holder_pid=holder_pid)
+    ``opts.cache_limit`` keeps at most that many bytes on the tier; ``peers``: the Slurm prolog's meeting point
+    and key (with ``opts.peers``)."""
+    req = StreamRequest(src=src, opts=replace(opts, wait=False, distributed=False), holder_pid=holder_pid,
+                        peers=peers)
     started, proc = start(req, on_event=on_event, env=env)
     ddir = DatasetDir(started.dataset_dir)
     root = ddir.version_dir(started.version) / "data"

@@ -96,10 +96,12 @@ class StreamRequest:
     src: str
     opts: StageOptions
     holder_pid: int | None = None
+    #: with peers, where the nodes meet and the job's key, as the Slurm prolog says (else the environment's)
+    peers: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         o = {f.name: getattr(self.opts, f.name) for f in fields(StageOptions)}
-        return json.dumps({"src": self.src, "opts": o, "holder_pid": self.holder_pid})
+        return json.dumps({"src": self.src, "opts": o, "holder_pid": self.holder_pid, "peers": self.peers})
 
     @classmethod
     def from_json(cls, text: str) -> StreamRequest:
@@ -109,7 +111,7 @@ class StreamRequest:
             o[name] = tuple(o.get(name) or ())
         if o.get("shard") is not None:
             o["shard"] = tuple(o["shard"])
-        return cls(src=d["src"], opts=StageOptions(**o), holder_pid=d.get("holder_pid"))
+        return cls(src=d["src"], opts=StageOptions(**o), holder_pid=d.get("holder_pid"), peers=d.get("peers"))
 
 
 def stream_stage(req: StreamRequest, *, tell: Callable[[dict[str, Any]], None], stop: threading.Event,

@@ -272,6 +272,52 @@ def test_two_node_job_with_peers_reads_the_source_once(site: Site) -> None:
     assert set(site.cluster.node_states().values()) == {"idle"}
 
 
+#: a job's task that reads every file of the streaming dataset through StagedFiles (reading along its stager)
+STREAM_TASK = """import json, os, sys
+from pathlib import Path
+import xxhash
+import stagingloader as sl
+root = os.environ.get("STAGINGLOADER_DATASET", "")
+files = sl.StagedFiles(root, decode="bytes", labels=False)
+digests = {files.relpath(i): "xxh3_128:" + xxhash.xxh3_128_hexdigest(bytes(files[i])) for i in range(len(files))}
+import time
+deadline = time.monotonic() + 120  # the version is published once both nodes are whole: then its stager's log
+while not (Path(root).parent / "stream" / "stager.log").is_file() and time.monotonic() < deadline:
+    time.sleep(0.1)
+log = Path(root).parent / "stream" / "stager.log"
+out = {"node": os.environ.get("SLURMD_NODENAME"), "status": os.environ.get("STAGINGLOADER_STATUS"), "root": root,
+       "streaming": files.stream is not None, "digests": digests, "log": log.read_text() if log.is_file() else ""}
+Path(sys.argv[1]).write_text(json.dumps(out))
+"""
+
+
+def test_two_node_job_streams_with_peers_and_reads_the_source_once(site: Site) -> None:
+    """``peers=yes;wait=no``: each node's prolog starts a streaming stager that meets the other node's; each
+    node's task reads every file while they stage, and each file is read from the source by one node only."""
+    src = site.sources / "data"
+    task = site.out / "stream_peers_task.py"
+    task.write_text(STREAM_TASK)
+    script = site.out / "stream_peers.sh"
+    script.write_text(f"#!/bin/sh\nsrun --ntasks-per-node=1 sh -c '{sys.executable} {task} "
+                      f"{site.out}/stream_peers-$SLURMD_NODENAME.json'\n")
+    script.chmod(0o755)
+    job = site.cluster.sbatch(str(script), "-N", "2", "--comment", f"stage={src};peers=yes;wait=no",
+                              f"--output={site.out}/stream_peers.log", user=site.user)
+    assert site.cluster.wait_job(job) == "COMPLETED", (site.job_log("stream_peers"), site.cluster.logs())
+    results = [json.loads((site.out / f"stream_peers-{n}.json").read_text()) for n in ("n1", "n2")]
+    for node, r in zip(("n1", "n2"), results):
+        assert r["status"] == "streaming", (r, site.hook_log(node, job))  # (published already, for a small one)
+        assert r["digests"] == tree_digests(src)  # every byte, read while it streamed
+    read = 0
+    for node, r in zip(("n1", "n2"), results):  # the stager's log, in the version it published
+        m = __import__("re").search(r"peers: .* read from the source \((\d+) files\), .* from peers \((\d+) files\)",
+                                    r["log"])
+        assert m, (node, r["log"], site.hook_log(node, job))
+        read += int(m.group(1))
+    assert read == len(tree_digests(src))  # each file read from the source once, by one of the two nodes
+    site.cluster.wait_epilogs()
+
+
 def _wait(cond: Any, what: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not cond():

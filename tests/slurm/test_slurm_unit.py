@@ -66,7 +66,6 @@ def test_comment_requests() -> None:
     ("stage=/a;junk", "KEY=VALUE"),
     ("stage=/a;peers=maybe", "peers='maybe'"),
     ("stage=/a;peers=yes;shard=node", "drop one of them"),
-    ("stage=/a;peers=yes;wait=no", "does not stream with peers"),
 ])
 def test_bad_comments(comment: str, match: str) -> None:
     with pytest.raises(UsageError, match=match):
