@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 IMAGENET = 1_281_167
+SOURCE_MANIFEST = ".stagingloader-manifest.json"
 CLASSES = 1000
 
 
@@ -152,12 +153,14 @@ def parts(src: Path, root: Path) -> None:
     listing = timed("listing (stat walk, sorted)", scan)
     sdir = root / "parts-stream"
     sdir.mkdir(parents=True, exist_ok=True)
-    files = timed("StreamFiles from the listing", lambda: protocol.StreamFiles.of_listing(str(src), listing)
-                  if hasattr(protocol.StreamFiles, "of_listing")
-                  else protocol.StreamFiles(str(src), tuple(listing.path), tuple(listing.size.tolist())))
+    files = protocol.StreamFiles(str(src), listing.path, listing.size)
     timed("rows file write", lambda: files.write(sdir))
-    loaded = timed("rows file read", lambda: protocol.StreamFiles.load(sdir))
-    del loaded
+    loaded = timed("rows file read (mapped, checked)", lambda: protocol.StreamFiles.load(sdir))
+    timed("classes and labels (first_parts)", lambda: loaded.path.first_parts(b"/"))
+    if (src / SOURCE_MANIFEST).exists():
+        from stagingloader.sources.source import Source
+
+        timed("source manifest read", lambda: Source(str(src)).read_manifest())
 
 
 def measure(src: Path, root_base: Path, n: int, profile: bool, code: Path) -> dict[str, Any]:
