@@ -163,11 +163,20 @@ def parts(src: Path, root: Path) -> None:
         timed("source manifest read", lambda: Source(str(src)).read_manifest())
 
 
-def measure(src: Path, root_base: Path, n: int, profile: bool, code: Path) -> dict[str, Any]:
+def wait_idle(below: float, limit_s: float) -> None:
+    """Wait (at most ``limit_s``) for the 1-minute load to fall under ``below``: the previous run's stager and
+    clean-up, or another process, raise it."""
+    end = time.monotonic() + limit_s
+    while os.getloadavg()[0] >= below and time.monotonic() < end:
+        time.sleep(2)
+
+
+def measure(src: Path, root_base: Path, n: int, profile: bool, code: Path, idle: tuple[float, float]) -> dict[str, Any]:
     root = root_base / f"root-{n}"
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
+    wait_idle(*idle)
     load = os.getloadavg()[0]
     cmd = [sys.executable, __file__, "--child", str(src), str(root)] + (["--profile"] if profile else [])
     env = dict(os.environ, PYTHONPATH=str(code))
@@ -192,6 +201,8 @@ def main() -> int:
     ap.add_argument("--manifest", action="store_true", help="also measure with a source manifest")
     ap.add_argument("--profile", action="store_true", help="cProfile one measured process; time the parts")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--idle-load", type=float, default=1.0, help="before each run, wait for the 1-min load under this")
+    ap.add_argument("--idle-wait", type=float, default=60.0, help="... at most this many seconds")
     ap.add_argument("--baseline", default=None, help="a tree of an older stagingloader, measured in the same run")
     ap.add_argument("--rm-src", action="store_true", help="remove the source trees at the end")
     ap.add_argument("--child", nargs=2, metavar=("SRC", "ROOT"), help=argparse.SUPPRESS)
@@ -218,17 +229,18 @@ def main() -> int:
                 subprocess.run([sys.executable, "-m", "stagingloader", "manifest", str(src)], check=True,
                                env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
                                stdout=subprocess.DEVNULL)
+            aside = src.with_name(src.name + ".manifest-aside")  # out of the tree: it would be listed
             if not with_manifest and mpath.exists():
-                mpath.rename(src / ".manifest-aside")
+                mpath.rename(aside)
             try:
                 for _ in range(args.repeat):
                     for name, code in codes:  # alternating, so both see the same machine
-                        r = measure(src, root_base, n, args.profile, code)
+                        r = measure(src, root_base, n, args.profile, code, (args.idle_load, args.idle_wait))
                         r["manifest"], r["code"] = with_manifest, name
                         rows.append(r)
             finally:
-                if (src / ".manifest-aside").exists():
-                    (src / ".manifest-aside").rename(mpath)
+                if aside.exists():
+                    aside.rename(mpath)
         if args.rm_src:
             shutil.rmtree(src)
             src.with_name(src.name + ".built").unlink()
