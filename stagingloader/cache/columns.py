@@ -177,8 +177,82 @@ class StrColumn(Sequence[str]):
             prev = r
         return True
 
+    # ---- whole-column selections (numpy over the blob; no Python object per row) ----
+    def starts_with(self, prefix: bytes) -> npt.NDArray[np.bool_]:
+        """Which rows begin with the bytes ``prefix``."""
+        starts = self.offsets[:-1]
+        return self._match(starts, self.offsets[1:] - starts >= len(prefix), prefix)
+
+    def ends_with(self, suffixes: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+        """Which rows end with one of the byte strings ``suffixes``."""
+        ends = self.offsets[1:]
+        lens = ends - self.offsets[:-1]
+        hit = np.zeros(len(self), dtype=bool)
+        for s in suffixes:
+            hit |= self._match(ends - len(s), lens >= len(s), s)
+        return hit
+
+    def _match(self, at: Int64Array, ok: npt.NDArray[np.bool_], text: bytes) -> npt.NDArray[np.bool_]:
+        """``ok`` where ``blob[at[i]:at[i] + len(text)] == text`` too (``ok`` says where that slice lies inside)."""
+        ok = ok.copy()
+        u8 = _u8(self.blob)
+        if not len(u8):
+            return ok if not text else np.zeros(len(ok), dtype=bool)
+        for k, ch in enumerate(text):
+            ok &= u8[np.where(ok, at + k, 0)] == ch
+        return ok
+
+    def select(self, rows: Int64Array, *, skip: int = 0) -> StrColumn:
+        """The strings at ``rows`` without their first ``skip`` bytes, as a new column (gathered with numpy)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        starts = self.offsets[rows] + skip
+        lens = self.offsets[rows + 1] - starts
+        if bool((lens < 0).any()):
+            raise ValueError(f"a string shorter than the {skip} bytes to skip")
+        return _gather(self.blob, starts, lens)
+
+    def first_parts(self, sep: bytes = b"/") -> tuple[list[str], Int64Array]:
+        """The sorted distinct parts of the strings before the first ``sep`` ("" for a string without one), and
+        each row's index among them: a tree's top folders and each file's.  Equal parts of consecutive rows are
+        compared with numpy; a Python object is made per run of equal parts (one per folder of a sorted listing)."""
+        n = len(self)
+        starts, ends = self.offsets[:-1], self.offsets[1:]
+        u8 = _u8(self.blob)
+        at = np.flatnonzero(u8 == ord(sep))
+        if len(at):
+            first = np.append(at, len(u8))[np.searchsorted(at, starts)]
+            stop = np.where(first < ends, first, starts)
+        else:
+            stop = starts
+        parts = _gather(self.blob, starts, stop - starts)
+        if not n:
+            return [], np.zeros(0, dtype=np.int64)
+        same = _rows_equal(parts, np.arange(1, n), parts, np.arange(n - 1))
+        heads = np.concatenate([[0], np.flatnonzero(~same) + 1])
+        names = [decode(parts.raw(int(h))) for h in heads]
+        classes = sorted(set(names))
+        index = {c: i for i, c in enumerate(classes)}
+        of_head = np.fromiter((index[x] for x in names), dtype=np.int64, count=len(names))
+        group = np.cumsum(np.concatenate([[True], ~same])) - 1
+        return classes, of_head[group]
+
     def __repr__(self) -> str:
         return f"StrColumn({len(self)} strings, {len(self.blob)} bytes)"
+
+
+def _gather(blob: bytes | bytearray | memoryview, starts: Int64Array, lens: Int64Array) -> StrColumn:
+    """A column of ``blob[starts[i]:starts[i] + lens[i]]``, copied with numpy a chunk of rows at a time."""
+    offsets = np.zeros(len(starts) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    out = np.empty(int(offsets[-1]), dtype=np.uint8)
+    u8 = _u8(blob)
+    at = offsets[:-1]
+    for a in range(0, len(starts), CHUNK_ROWS):
+        s, n, o = starts[a:a + CHUNK_ROWS], lens[a:a + CHUNK_ROWS], at[a:a + CHUNK_ROWS]
+        total = int(n.sum())
+        if total:
+            out[o[0]:o[0] + total] = u8[np.repeat(s - o, n) + np.arange(o[0], o[0] + total)]
+    return StrColumn(out.tobytes(), offsets)
 
 
 def same_bytes(a: bytes | bytearray | memoryview, b: bytes | bytearray | memoryview) -> bool:

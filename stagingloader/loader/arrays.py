@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..cache.columns import decode
 from ..errors import UsageError
 from ..staging.result import StagedDataset
 from .collate import LazyBatch, empty_batch
@@ -65,14 +66,15 @@ class StagedArrays(Dataset[Any]):
         sizes: list[int] | None = None
         if isinstance(files, (StagedDataset, str, os.PathLike)):
             found = list_files(files)
-            keep = [k for k, r in enumerate(found.rels) if r.endswith(".npy")]
-            paths = [str(found.root / found.rels[k]) for k in keep] if Path(found.root).is_dir() or found.stream \
+            keep = np.flatnonzero(found.path.ends_with([b".npy"]))  # a Python object only per .npy file kept
+            rels = [found.path.raw(k) for k in keep.tolist()]
+            paths = [str(found.root / decode(r)) for r in rels] if Path(found.root).is_dir() or found.stream \
                 else [str(found.root)]
             if found.stream is not None:
                 self.stream = found.stream
-                self._rels = [found.rels[k].encode("utf-8", "surrogateescape") for k in keep]
-                self._file_rows = np.asarray(keep, dtype=np.int64)
-                sizes = [found.sizes[k] for k in keep]
+                self._rels = rels
+                self._file_rows = keep.astype(np.int64)
+                sizes = found.size[keep].tolist()
         else:
             paths = [str(p) for p in files]
         if not paths:

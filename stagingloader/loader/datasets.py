@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..cache.columns import encode
 from ..errors import UsageError
 from ..staging.result import StagedDataset
 from .arrays import StagedArrays
@@ -55,18 +56,19 @@ class StagedFiles(Dataset[Any]):
                  transform: Callable[[Any], Any] | None = None, prefix: str = "") -> None:
         if not (decode in ("array", "bytes", "npy") or callable(decode)):
             raise ValueError(f"decode must be 'array', 'bytes', 'npy' or a function of the bytes, not {decode!r}")
-        found = list_files(staged)
-        root, rels, sizes = found.root, found.rels, found.sizes
+        found = list_files(staged)  # the paths in one column: the tables below are built from it with numpy
+        root, rels, sizes = found.root, found.path, found.size
         rows = np.arange(len(rels), dtype=np.int64)  # each sample's row in the listing (the stream's rows)
         if prefix:  # a part of the tree, e.g. "train/": its folders are the classes
             prefix = prefix.rstrip("/") + "/"
-            keep = [i for i, r in enumerate(rels) if r.startswith(prefix)]
+            skip = len(encode(prefix))
+            keep = np.flatnonzero(rels.starts_with(encode(prefix)))
             root = root / prefix.rstrip("/")
-            rels, sizes, rows = [rels[i][len(prefix):] for i in keep], [sizes[i] for i in keep], rows[keep]
+            rels, sizes, rows = rels.select(keep, skip=skip), sizes[keep], rows[keep]
         if include:
-            keep = [i for i, r in enumerate(rels) if r.endswith(tuple(include))]
-            rels, sizes, rows = [rels[i] for i in keep], [sizes[i] for i in keep], rows[keep]
-        if not rels:
+            keep = np.flatnonzero(rels.ends_with([encode(s) for s in include]))
+            rels, sizes, rows = rels.select(keep), sizes[keep], rows[keep]
+        if not len(rels):
             if not found.stream and not Path(root).is_dir():
                 raise UsageError(f"{root} is a file, not a folder: StagedFiles reads a staged dataset or a folder "
                                  "of files (one sample per file)")
@@ -76,15 +78,11 @@ class StagedFiles(Dataset[Any]):
         self.stream = found.stream  #: while the stage streams: reads wait for each file through it (else None)
         self._rows = rows
         self._prefix = prefix.encode("utf-8", "surrogateescape")
-        encoded = [r.encode("utf-8", "surrogateescape") for r in rels]
-        self._blob = np.frombuffer(b"".join(encoded), dtype=np.uint8)
-        self._offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-        np.cumsum([len(e) for e in encoded], out=self._offsets[1:])
+        self._blob = np.frombuffer(rels.blob, dtype=np.uint8) if len(rels.blob) else np.zeros(0, dtype=np.uint8)
+        self._offsets = rels.offsets
         self._sizes = np.asarray(sizes, dtype=np.int64)
-        tops = [r.split("/", 1)[0] if "/" in r else "" for r in rels]
-        self.classes = sorted(set(tops))
+        self.classes, self._labels = rels.first_parts(b"/")
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
-        self._labels = np.asarray([self.class_to_idx[t] for t in tops], dtype=np.int64)
         self._root_b = str(root).encode("utf-8", "surrogateescape") + b"/"
         self.decode = decode
         self.labels = labels

@@ -2,7 +2,9 @@
 or from a plain folder's walk.
 
 Rows mean the same thing in all three: the files sorted by relative path, so sample ``i`` of a dataset built
-while its stage streams is sample ``i`` of the same dataset built after it finished.
+while its stage streams is sample ``i`` of the same dataset built after it finished.  The paths come as one
+column (:class:`~stagingloader.cache.columns.StrColumn`: a blob and offsets), as the manifest and the stream's
+rows file hold them: a dataset builds its tables from them without a Python object per file.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..cache.columns import Int64Array, StrColumn
 from ..cache.layout import DatasetDir, find_dataset_dir
 from ..errors import DatasetNotFoundError, ManifestError, StagerFailedError, UsageError
 from ..staging.result import StagedDataset
@@ -24,8 +27,8 @@ from .streamreader import StreamReader, stream_at, stream_of
 @dataclass(frozen=True)
 class Listing:
     root: Path  #: the data folder the relative paths are under (``incoming/data`` while streaming)
-    rels: list[str]  #: relative paths, sorted
-    sizes: list[int]  #: their sizes in bytes
+    path: StrColumn  #: relative paths, sorted
+    size: Int64Array  #: their sizes in bytes
     stream: StreamReader | None = None  #: set while the stage streams: reads wait for each file through it
 
 
@@ -34,7 +37,7 @@ def list_files(staged: StagedDataset | str | os.PathLike[str]) -> Listing:
     if isinstance(staged, StagedDataset):
         reader = stream_of(staged)
         if reader is None:
-            return Listing(staged.root, list(staged.manifest.path), staged.manifest.size.tolist())
+            return Listing(staged.root, staged.manifest.path, staged.manifest.size)
         return _streaming(reader)
     if not isinstance(staged, (str, os.PathLike)):
         raise UsageError(f"give a StagedDataset (from stagingloader.stage) or a folder's path, not "
@@ -60,7 +63,7 @@ def list_files(staged: StagedDataset | str | os.PathLike[str]) -> Listing:
 
 def _version(ddir: DatasetDir, version: str) -> Listing:
     m = ddir.load_manifest(version)  # a truncated or foreign manifest: ManifestError, naming it
-    return Listing(ddir.version_dir(version) / "data", list(m.path), m.size.tolist())
+    return Listing(ddir.version_dir(version) / "data", m.path, m.size)
 
 
 def _streaming(reader: StreamReader) -> Listing:
@@ -72,7 +75,7 @@ def _streaming(reader: StreamReader) -> Listing:
         if state is None or state.state != protocol.COMPLETE or not state.version:
             raise
         return _version(DatasetDir(reader.ddir), state.version)
-    return Listing(Path(os.fsdecode(reader.root())), list(files.rels), list(files.sizes), reader)
+    return Listing(Path(os.fsdecode(reader.root())), files.path, files.size, reader)
 
 
 def _walk(path: Path) -> Listing:
@@ -83,7 +86,8 @@ def _walk(path: Path) -> Listing:
             rels.append(os.path.relpath(full, path))
             sizes.append(os.path.getsize(full))
     order = np.argsort(rels, kind="stable")
-    return Listing(path, [rels[i] for i in order], [sizes[i] for i in order])
+    return Listing(path, StrColumn.from_strs([rels[i] for i in order]),
+                   np.asarray([sizes[i] for i in order], dtype=np.int64))
 
 
 def root_of(dataset: Any) -> str | None:

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..cache.layout import DatasetDir
 from ..errors import StagerFailedError
-from ..streaming import protocol
+from ..streaming import protocol, rows
 from .context import current
 from .stats import MISSES, NOT_STAGED_S
 
@@ -102,7 +102,7 @@ class StreamReader:
         return state
 
     def files(self) -> protocol.StreamFiles:
-        """The run's listing (``files.json``): row ``i`` is ``rels[i]``."""
+        """The run's listing (``files.bin``): row ``i`` is ``path[i]``."""
         return protocol.StreamFiles.load(self.sdir)
 
     @property
@@ -270,7 +270,7 @@ def stream_at(ddir: Path) -> StreamReader | None:
     """A reader over the dataset folder ``ddir`` when a streaming stage of it is under way (``incoming/stream``
     holds its listing), else None: what ``StagedFiles(folder)`` uses for a dataset with no complete version yet."""
     sdir = protocol.stream_dir(ddir)
-    if not (sdir / "files.json").is_file():
+    if not (sdir / rows.NAME).is_file():
         return None
     state = protocol.read_state(sdir)
     return StreamReader(ddir, name=str(ddir), version=state.version if state is not None else None)

@@ -14,9 +14,10 @@ import itertools
 import multiprocessing
 import os
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from ..cache.tiers import MountInfo
 from ..retry import as_source_error
 from .listing import Listing, ListingBuilder, scan_local, scan_staged
 
@@ -122,13 +123,43 @@ class BackgroundScan:
             self._pool = None
 
 
-def list_tree(top: str, *, skip_top: bytes = b"", workers: int | None = None, for_others: bool = False) -> Listing:
-    """A local source folder's listing (see :func:`~.listing.scan_local`), scanned by up to ``workers`` processes;
+def list_tree(top: str, *, skip_top: bytes = b"", workers: int | None = None, for_others: bool = False,
+              threads: int = 0) -> Listing:
+    """A local source folder's listing (see :func:`~.listing.scan_local`), scanned by up to ``workers`` processes,
+    or, with ``threads`` > 1, by that many threads (a network file system: :func:`listing_threads`);
     ``for_others``: refused (:class:`~.listing.NotForOthersError`) where other users may not read all of it."""
     from functools import partial
 
-    return _in_parallel(top, default_workers() if workers is None else workers,
-                        partial(_list_part, top, skip_top, for_others))
+    scan = partial(_list_part, top, skip_top, for_others)
+    if threads > 1:
+        return Listing.concat(in_threads(top, threads, scan))
+    return _in_parallel(top, default_workers() if workers is None else workers, scan)
+
+
+NETWORK_THREADS = 16  #: folders listed at once on a network file system, where each ``stat`` is a round trip
+RUNS_PER_THREAD = 4  #: runs of top-level entries per thread, so that a thread done early takes another
+
+
+def listing_threads(mount: MountInfo) -> int:
+    """Threads to list a source on ``mount`` with: :data:`NETWORK_THREADS` on a network file system (NFS, Lustre,
+    GPFS, SMB...), where the walk waits on the server and threads overlap the waits; 0 (processes, or one) on a
+    local disk, where the walk is CPU-bound and threads would only share one interpreter's lock."""
+    return NETWORK_THREADS if mount.is_network else 0
+
+
+def in_threads(top: str, threads: int, scan: Callable[[frozenset[bytes] | None], T]) -> list[T]:
+    """``scan(run)`` for contiguous runs of ``top``'s entries in up to ``threads`` threads, in the listing's order
+    (the runs as :func:`in_parts` cuts them, several per thread); ``scan(None)`` alone (the whole tree) for a
+    folder of one entry or one that cannot be listed.  A thread's error is raised here, in the caller."""
+    try:
+        names = sorted(os.listdir(os.fsencode(top)))
+    except OSError:
+        return [scan(None)]  # the serial scan says what is wrong, as it always did
+    runs = _runs(names, min(len(names), threads * RUNS_PER_THREAD))
+    if len(runs) < 2:
+        return [scan(None)]
+    with ThreadPoolExecutor(min(threads, len(runs)), thread_name_prefix="stagingloader-list") as pool:
+        return list(pool.map(scan, runs))
 
 
 def scan_staged_tree(top: str | os.PathLike[str], *, workers: int | None = None) -> Listing:

@@ -32,7 +32,7 @@ from ..errors import (
 from ..retry import RetryPolicy, as_source_error, call_with_retry, redact
 from .listing import Listing, ListingBuilder, SourceFile, check_for_others, scan_local
 from .objectio import Buffer, ObstoreReader, RangeReader, direct_reader, s3_reader
-from .scanning import list_tree
+from .scanning import list_tree, listing_threads
 
 __all__ = ["Listing", "Source", "SourceFile", "selected", "validate_rel"]
 
@@ -198,7 +198,8 @@ class Source:
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
             raise SourceError(f"source {self.url} is {kind_of(st)}, not a file or a folder: stage a folder of files, "
                               "a file, or a URL such as s3://bucket/prefix")
-        fs_type = mount_of(self.base).fs_type
+        mount = mount_of(self.base)
+        fs_type = mount.fs_type
         if fs_type in PSEUDO_FS:
             raise SourceError(f"source {self.url} is on {fs_type}, a kernel file system whose files are not data "
                               "(their sizes read 0): copy what you need into a folder first")
@@ -208,7 +209,8 @@ class Source:
             self._single = True
             out.add(os.fsencode(os.path.basename(self.base)), st)
             return out.listing()
-        return list_tree(self.base, skip_top=os.fsencode(SOURCE_MANIFEST_NAME), for_others=for_others)
+        return list_tree(self.base, skip_top=os.fsencode(SOURCE_MANIFEST_NAME), for_others=for_others,
+                         threads=listing_threads(mount))
 
     def _list_remote(self) -> list[SourceFile]:
         def listing() -> dict[str, dict[str, Any]]:

@@ -4,7 +4,7 @@ The loader's order is known in advance (the sampler's seed gives this epoch's or
 streaming stager's plan (:class:`.schedule.Schedule`) ranks every row by its next use, its place in the readers'
 merged order, and frees room by evicting the ready rows used furthest in the future (or never: :data:`NEVER`)
 instead of the least recently used ones.  :func:`choose_victims` is that choice: pure, no I/O; rows are indices
-into the stream listing (``files.json``).
+into the stream listing (``files.bin``).
 
 The policies and the simulator that compare this rule with LRU and the offline optimum are benchmark code
 (``benchmarks/eviction_sim.py``), not part of the package.

@@ -22,7 +22,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .. import errors
+from ..cache.columns import DIGEST_BYTES, DigestColumn, StrColumn
 from ..cache.layout import DatasetDir
 from ..cache.manifest import Manifest
 from ..errors import InternalError, StagerFailedError, StageTimeoutError, StagingError, UsageError
@@ -199,10 +202,17 @@ def stage_streaming(src: str, opts: StageOptions, *, holder_pid: int | None = No
             if ddir.current() != started.version:
                 raise
         else:
-            n = len(files)
-            manifest = Manifest(files.source, list(files.rels), list(files.sizes), [0] * n, [""] * n, [""] * n)
+            manifest = _unknown_digests(files)
             handle = StreamHandle(ddir.path, started.version, proc, cache_limit=started.cache_limit)
             return StagedDataset(files.source, root, started.version, ddir.path, manifest, None, started.lease,
                                  handle)
     manifest = ddir.load_manifest(started.version)
     return StagedDataset(manifest.source, root, started.version, ddir.path, manifest, None, started.lease)
+
+
+def _unknown_digests(files: StreamFiles) -> Manifest:
+    """The manifest of a run that streams: its rows' paths and sizes (the rows file's columns, not copied row by
+    row), no fingerprints, and digests not known yet."""
+    n = len(files)
+    return Manifest(files.source, files.path, files.size, np.zeros(n, dtype=np.int64), StrColumn.empty(n),
+                    DigestColumn(np.zeros((n, DIGEST_BYTES), dtype=np.uint8), known=np.zeros(n, dtype=bool)))

@@ -6,7 +6,8 @@ and waits for the dataset's lock, then one ``{"ready": {...}}`` (or ``{"error": 
 set up, after which it writes no more there (its stderr goes to ``stream/stager.log``) and copies on alone:
 
 1. under the dataset's lock, plan as any stage does; an up-to-date dataset is answered as done;
-2. write ``stream/files.json`` and ``state.json``, take the run's lease (on the version it will publish), answer;
+2. write ``stream/files.bin`` (the rows) and ``state.json``, take the run's lease (on the version it will
+   publish), answer;
 3. copy in the order :class:`~.schedule.Schedule` picks (urgent rows, the readers' merged order, listing order),
    evicting under a cache limit, through the ordinary copier (whole, verified, journaled files only);
 4. when every file is there and no cache limit got in the way: publish the version exactly as ``stage`` does.
@@ -180,7 +181,7 @@ def _read_along(run: StageRun, *, foreign: bool, holder_pid: int | None) -> dict
         files = StreamFiles.load(sdir)
     except StagingError:
         return None
-    if files.rels != tuple(stream_rows(run).path):
+    if not files.path.same_as(stream_rows(run).path):
         return None
     lease = None if foreign else take_lease(run, state.version, holder_pid)
     _note_job(sdir, run.opts.lease if lease is not None else None)
@@ -254,7 +255,7 @@ class StreamRun:
         self.plan_rows(np.flatnonzero(~is_ready))
         self.sdir.mkdir(mode=0o755, exist_ok=True)
         trust.check_folder(self.sdir, what="stream folder")
-        StreamFiles(run.source.url, tuple(self.listing.path), tuple(sizes)).write(self.sdir)
+        StreamFiles(run.source.url, self.listing.path, self.listing.size).write(self.sdir)
         self.requests_reader = RequestReader(self.sdir, len(self.listing))
         self._write_state(COPYING, force=True)
         self.lease = take_lease(run, self.version, self.req.holder_pid)

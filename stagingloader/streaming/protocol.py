@@ -2,7 +2,8 @@
 
 Everything lives in ``DDIR/incoming/stream/`` (see docs/staging.md, "Streaming"):
 
-- ``files.json``: the listing the run stages, in row order (sorted by relative path); written once;
+- ``files.bin``: the listing the run stages, in row order (sorted by relative path), in columns; written once
+  (:mod:`.rows`);
 - ``state.json``: the stager's pid and start time, its state (copying, complete, failed, stopped), its error,
   counts.  ``stopped``: it stopped before it finished (SIGTERM, its last lease gone); the next stage resumes;
 - ``order-<reader>``: a reader's upcoming rows (int64, little-endian), replaced atomically at each epoch;
@@ -34,11 +35,11 @@ import numpy.typing as npt
 from .. import procid
 from ..cache import trust
 from ..cache.layout import DatasetDir, safe_join
-from ..errors import StagerFailedError, UnsafePathError
+from ..errors import UnsafePathError
 from ..fsio import atomic_write
+from .rows import StreamFiles as StreamFiles  # the rows file (its own module); readers and the stager find it here
+from .rows import open_regular
 
-FORMAT = "stagingloader-stream"
-FORMAT_VERSION = 1
 ROW = np.dtype("<i8")
 COPYING, COMPLETE, FAILED, STOPPED = "copying", "complete", "failed", "stopped"
 
@@ -54,50 +55,6 @@ def stream_dir(ddir: DatasetDir | Path) -> Path:
 def reader_id(rank: int = 0, pid: int | None = None) -> str:
     """The name of one reader's order and urgent files: ``r<rank>-<pid>``."""
     return f"r{int(rank)}-{os.getpid() if pid is None else int(pid)}"
-
-
-# ---- files.json ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StreamFiles:
-    """The listing a streaming run stages: row ``i`` is ``rels[i]`` of ``sizes[i]`` bytes (rels sorted)."""
-
-    source: str
-    rels: tuple[str, ...]
-    sizes: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.rels) != len(self.sizes):
-            raise ValueError(f"{len(self.rels)} paths but {len(self.sizes)} sizes")
-
-    def __len__(self) -> int:
-        return len(self.rels)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.sizes)
-
-    def write(self, sdir: Path) -> None:
-        data = {"format": FORMAT, "version": FORMAT_VERSION, "source": self.source, "rels": list(self.rels),
-                "sizes": list(self.sizes)}
-        atomic_write(sdir / "files.json", json.dumps(data, ensure_ascii=False).encode("utf-8", "surrogateescape"),
-                     mode=0o644)
-
-    @classmethod
-    def load(cls, sdir: Path) -> StreamFiles:
-        """Read ``files.json`` (never through a link); a StagerFailedError if it is missing or not ours."""
-        raw = _read_regular(sdir / "files.json")
-        if raw is None:
-            raise StagerFailedError(f"{sdir / 'files.json'} is missing: no streaming stage is under way there; "
-                                    "stage the dataset again (stagingloader stage SRC --no-wait)")
-        try:
-            data = json.loads(raw.decode("utf-8", "surrogateescape"))
-            if data.get("format") != FORMAT or data.get("version") != FORMAT_VERSION:
-                raise ValueError("not a stagingloader stream listing")
-            return cls(str(data["source"]), tuple(str(r) for r in data["rels"]),
-                       tuple(int(s) for s in data["sizes"]))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise StagerFailedError(f"{sdir / 'files.json'} cannot be read ({e}); remove the folder "
-                                    f"{sdir.parent} and stage again") from None
 
 
 # ---- state.json ---------------------------------------------------------------------------------------------
@@ -407,15 +364,11 @@ def _read_all(fd: int, size: int) -> bytes:
 
 def _read_regular(path: Path) -> bytes | None:
     """The bytes of ``path`` if it is a regular file (never through a link); None if absent."""
+    fd = open_regular(path)
+    if fd is None:
+        return None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as e:
-        if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-            return None
-        raise
-    try:
-        st = os.fstat(fd)
-        return _read_all(fd, st.st_size) if stat.S_ISREG(st.st_mode) else None
+        return _read_all(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
 

@@ -89,3 +89,34 @@ def test_same_bytes_compares_whole_buffers_of_any_kind_past_a_chunk() -> None:
     b[-1] ^= 1
     assert not same_bytes(memoryview(a), b) and not same_bytes(a, memoryview(b)) and not same_bytes(a, b)
     assert not same_bytes(memoryview(a)[:-1], a)
+
+
+def _b(text: str) -> bytes:
+    return text.encode("utf-8", "surrogateescape")
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts, st.sampled_from(["", "a", "a/", "é", "\udcff", "x\udc80/"]),
+       st.lists(st.sampled_from(["", "b", ".b", "é", "\udc80", "/b"]), max_size=3))
+def test_selections_over_the_blob_agree_with_str_methods(values: list[str], prefix: str, suffixes: list[str]) -> None:
+    col = StrColumn.from_strs(values)
+    starts = col.starts_with(_b(prefix))
+    assert starts.tolist() == [_b(v).startswith(_b(prefix)) for v in values]
+    ends = col.ends_with([_b(s) for s in suffixes])
+    assert ends.tolist() == [any(_b(v).endswith(_b(s)) for s in suffixes) for v in values]
+    keep = np.flatnonzero(starts)
+    assert list(col.select(keep, skip=len(_b(prefix)))) == [v for v in values if _b(v).startswith(_b(prefix))
+                                                             for v in [_b(v)[len(_b(prefix)):].decode(
+                                                                 "utf-8", "surrogateescape")]]
+    rows = np.arange(len(values))[::-1].copy()
+    assert list(col.select(rows)) == values[::-1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts, st.booleans())
+def test_first_parts_are_the_top_folders_and_each_rows_index(values: list[str], ordered: bool) -> None:
+    if ordered:
+        values = sorted(values, key=_b)
+    tops = [v.split("/", 1)[0] if "/" in v else "" for v in values]
+    classes, codes = StrColumn.from_strs(values).first_parts(b"/")
+    assert classes == sorted(set(tops)) and codes.tolist() == [classes.index(t) for t in tops]

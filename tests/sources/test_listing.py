@@ -6,12 +6,15 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stagingloader.cache.columns import encode
 from stagingloader.cache.manifest import Entry
+from stagingloader.cache.tiers import MountInfo
 from stagingloader.engine.incoming import Incoming
+from stagingloader.errors import SourceError
 from stagingloader.sources import scanning
 from stagingloader.sources.listing import Listing, SourceFile, scan_staged
 from stagingloader.sources.source import Source
@@ -59,6 +62,42 @@ def test_the_parallel_walk_equals_the_serial_one(tmp_path: Path) -> None:
     for col in ("size", "mtime_ns", "dev", "ino"):
         assert np.array_equal(getattr(parallel, col), getattr(serial, col))
     assert scanning.scan_staged_tree(tmp_path / "s", workers=3).path.same_as(serial.path)
+
+
+
+@settings(max_examples=40, deadline=None)
+@given(trees, st.integers(2, 5))
+def test_the_threaded_walk_equals_the_serial_one(tmp_path_factory, rels: list[str], threads: int) -> None:  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("src")
+    files = _tree(root, rels)
+    (root / "inside").mkdir(exist_ok=True)
+    (root / "inside" / "x.bin").write_bytes(b"x")
+    os.symlink("inside", root / "link")  # a link that stays inside the source: followed by every walk
+    (root / ".stagingloader-manifest.json").write_text("{}")  # the source manifest: never listed
+    skip = b".stagingloader-manifest.json"
+    serial = scanning.list_tree(str(root), workers=1, skip_top=skip)
+    threaded = scanning.list_tree(str(root), threads=threads, skip_top=skip)
+    assert list(serial.path) == sorted([*files, "inside/x.bin", "link/x.bin"], key=encode)
+    assert threaded.path.same_as(serial.path)
+    for col in ("size", "mtime_ns", "dev", "ino"):
+        assert np.array_equal(getattr(threaded, col), getattr(serial, col))
+
+
+def test_a_threaded_walk_raises_a_threads_error_in_the_caller(tmp_path: Path) -> None:
+    make_tree(tmp_path / "s", {f"d{d}/f.bin": 1 for d in range(8)})
+    os.symlink("/etc", tmp_path / "s" / "d5" / "out")  # a link out of the source is refused by every walk
+    with pytest.raises(SourceError) as serial:
+        scanning.list_tree(str(tmp_path / "s"), workers=1)
+    with pytest.raises(SourceError) as threaded:
+        scanning.list_tree(str(tmp_path / "s"), threads=4)
+    assert str(threaded.value) == str(serial.value)
+
+
+def test_only_a_network_file_system_is_listed_by_threads() -> None:
+    assert scanning.listing_threads(MountInfo("/nfs", "nfs4", False)) == scanning.NETWORK_THREADS
+    assert scanning.listing_threads(MountInfo("/lustre", "lustre", True)) == scanning.NETWORK_THREADS
+    assert scanning.listing_threads(MountInfo("/", "ext4", False)) == 0
+    assert scanning.listing_threads(MountInfo("/dev/shm", "tmpfs", False)) == 0
 
 
 def test_a_link_in_a_staged_tree_is_listed_but_matches_nothing(tmp_path: Path) -> None:

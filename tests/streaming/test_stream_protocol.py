@@ -30,11 +30,11 @@ def test_files_round_trip_and_refuse_junk(tmp_path: Path) -> None:
     files = protocol.StreamFiles("file:///src", ("a/x.bin", "b.bin"), (3, 5))
     files.write(sdir)
     assert protocol.StreamFiles.load(sdir) == files and files.total_bytes == 8 and len(files) == 2
-    (sdir / "files.json").write_text('{"format": "something-else"}')
-    with pytest.raises(StagerFailedError, match=r"files\.json"):
+    (sdir / "files.bin").write_text('{"format": "something-else"}')
+    with pytest.raises(StagerFailedError, match=r"files\.bin"):
         protocol.StreamFiles.load(sdir)
-    (sdir / "files.json").unlink()
-    os.symlink(tmp_path / "elsewhere.json", sdir / "files.json")
+    (sdir / "files.bin").unlink()
+    os.symlink(tmp_path / "elsewhere.bin", sdir / "files.bin")
     with pytest.raises(StagerFailedError, match="missing"):  # a link is never followed
         protocol.StreamFiles.load(sdir)
 
