@@ -44,6 +44,7 @@ class Peer:
     busy: int = 0  #: messages queued or being sent
     dead: str | None = None  #: why it is out (died, stalled, sent a forged or wrong message)
     gone: bool = False  #: said goodbye: done, sends nothing more
+    closed: bool = False  #: our goodbye to it is queued: its sender thread ends after it, so nothing may follow
     sent_bytes: int = 0
     received_bytes: int = 0
 
@@ -134,11 +135,14 @@ class Channels:
 
     # ---- sending ---------------------------------------------------------------------------
     def post(self, rank: int, fields: dict[str, Any], payload: bytes | tuple[str, int] | None = None) -> bool:
-        """Queue a message to ``rank``; False if that peer is out."""
+        """Queue a message to ``rank``; False if that peer is out, or our goodbye to it is queued (its sender
+        thread ends with that goodbye: a message after it would never be sent, and :meth:`drained` never true)."""
         p = self.peers[rank]
+        bye = fields.get("k") == "bye"
         with self._lock:
-            if p.dead is not None or (p.gone and fields.get("k") != "bye"):
+            if p.dead is not None or p.closed or (p.gone and not bye):
                 return False
+            p.closed = bye
             p.busy += 1
         p.outbox.put(Outgoing(fields, payload))
         return True
