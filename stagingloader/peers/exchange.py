@@ -263,6 +263,7 @@ class Exchange:
             copier.start()
             self._read(mine[~self.have[mine]])
         said_bye = False
+        lonely = 0.0  #: when every peer was out or gone (after our goodbye) while a message was still queued
         try:
             while stop is None or not stop.is_set():
                 self.ch.check()
@@ -274,8 +275,13 @@ class Exchange:
                 if not said_bye and self._whole() and not self._reading and self.ch.drained():
                     self.ch.say_bye()
                     said_bye = True
-                if said_bye and not self.ch.live_peers() and self.ch.drained():
-                    break  # every peer left or is out, and our goodbyes went out
+                if said_bye and not self.ch.live_peers():
+                    if self.ch.drained():
+                        break  # every peer left or is out, and our goodbyes went out
+                    lonely = lonely or time.monotonic()
+                    if time.monotonic() - lonely > self.ch.timeout:
+                        break  # a message stuck to a peer that left: nobody waits for it (a peer that waits for
+                        # our goodbye sees our sockets close, as a death, once it is whole itself)
         finally:
             self.reads.close()
             if copier is not None:
