@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("src", metavar="SRC", help="source: a path, s3://bucket/prefix, gs://..., https://..., or a glob")
     s.add_argument("--workers", type=_positive_int, metavar="N",
                    help="parallel copies: for paths, copy worker processes (default: one per usable core); for "
-                        "object stores and http, threads (default: 32 and 16)")
+                        "object stores and http, threads (default: 128 and 16: many requests in flight hide a "
+                        "store's latency)")
     s.add_argument("--verify", choices=("fast", "full"), default="fast",
                    help="how to check an existing staged copy: 'fast' trusts size + mtime, 'full' re-hashes")
     s.add_argument("--include", action="append", default=[], metavar="GLOB",

@@ -59,6 +59,7 @@ class CopySettings:
     fsync: bool = False
     small_batch_files: int = 64  #: small files per job (a streaming run takes 1: no file waits for others)
     batch_bytes: int = 16 << 20  #: bytes of small files per job
+    range_bytes_in_flight: int = 256 << 20  #: a remote source's large-file ranges held at once (threads' memory)
     processes: int | None = None  #: worker processes for a local source; None: the usable cores; 0: none
     process_min_files: int = 256  #: small files a local run pulls (without a large one) before starting them
 
@@ -133,17 +134,26 @@ def _execute(worker: Worker, job: _Job) -> tuple[Any, BaseException | None]:
 class _Threads:
     """Jobs run by a bounded thread pool (remote sources: the threads wait on the network)."""
 
-    def __init__(self, count: int, worker: Worker, wakeup: Wakeup) -> None:
+    def __init__(self, count: int, worker: Worker, wakeup: Wakeup, max_ranges: int) -> None:
         self.worker = worker
         self.wakeup = wakeup
-        self.capacity = count + min(count, 4)  #: jobs in flight: bounds the ranges held in memory
+        self.capacity = count + min(count, 4)  #: jobs in flight
+        #: large-file ranges in flight, each held in memory whole: the many threads that hide an object store's
+        #: latency for small objects (128 at 20 ms) would hold a GiB of 8 MiB ranges
+        self.max_ranges = max(1, max_ranges)
         self.pool = ThreadPoolExecutor(count, thread_name_prefix="stagingloader-copy")
         self.results: queue.SimpleQueue[tuple[_Job, Any]] = queue.SimpleQueue()
         self.in_flight = 0
+        self.ranges = 0
 
     def submit(self, job: _Job) -> None:
         self.in_flight += 1
+        self.ranges += job.large is not None
         self.pool.submit(self._run, job)
+
+    def full(self, ranging: bool) -> bool:
+        """No job more now (``ranging``: the next one is a range of the large file being handed out)."""
+        return self.in_flight >= self.capacity or (ranging and self.ranges >= self.max_ranges)
 
     def _run(self, job: _Job) -> None:
         self.results.put((job, _execute(self.worker, job)))
@@ -155,6 +165,7 @@ class _Threads:
             while True:
                 out.append(self.results.get_nowait())
         self.in_flight -= len(out)
+        self.ranges -= sum(job.large is not None for job, _ in out)
         return out
 
     def close(self, *, wait: bool = True) -> None:
@@ -255,7 +266,8 @@ class Copier:
         self._feed = Feed(files, self._wakeup)
         self._on_done = on_done
         if not self.source.is_local:
-            self._threads = _Threads(self.settings.workers, self._worker, self._wakeup)
+            s = self.settings
+            self._threads = _Threads(s.workers, self._worker, self._wakeup, s.range_bytes_in_flight // s.range_size)
         try:
             while not self.stop.is_set():
                 busy = self._fill()
@@ -279,9 +291,11 @@ class Copier:
     def _fill(self) -> bool:
         """Hand out jobs while a worker can take one; True if any was."""
         busy = False
-        if self._threads is not None:
-            while self._threads.in_flight < self._threads.capacity and (job := self._next_job()) is not None:
-                self._threads.submit(job)
+        threads = self._threads
+        if threads is not None:  # while a large file is handed out, its ranges come next (a new one's first range
+            # may take one over the bound)
+            while not threads.full(bool(self._handing)) and (job := self._next_job()) is not None:
+                threads.submit(job)
                 busy = True
             return busy
         procs = self._procs
@@ -432,8 +446,11 @@ class Copier:
                     raise feed.error
                 if feed.ended:
                     self._exhausted = True
-                elif not feed.asked:  # pulled in a thread: ask for the rest of a batch, hand out what is here
-                    feed.ask(max(1, s.small_batch_files - len(batch.items)))
+                elif not feed.asked:  # pulled in a thread: ask for the rest of a batch, or a file for each idle
+                    # thread (one at a time, each file cost a round trip to the feed's thread, which waits for the
+                    # interpreter's lock behind the copy threads), and hand out what is here
+                    idle = self._threads.capacity - self._threads.in_flight if self._threads is not None else 0
+                    feed.ask(max(1, s.small_batch_files - len(batch.items), idle))
                 break
             if f.size > s.large_threshold:
                 self._want_processes = True

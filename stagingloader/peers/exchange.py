@@ -195,6 +195,7 @@ class Exchange:
             dest = safe_join(inc.data, rel)
             inc.ensure_parent(dest)
             os.rename(tmp, dest)
+            inc.expect(self.local.listing, rel, row)
             inc.record_tuples([(rel, size, mtime, etag, digest)])
             self._known[row] = (size, mtime, etag, digest)
         except OSError as e:

@@ -47,7 +47,7 @@ from .verify import check_fast, check_full
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WORKERS = {"local": 4, "object": 32, "http": 16}
+DEFAULT_WORKERS = {"local": 4, "object": 128, "http": 16}
 
 
 @dataclass(frozen=True, kw_only=True)

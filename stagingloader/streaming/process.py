@@ -374,6 +374,7 @@ class StreamRun:
                 continue
             f = self.listing.row(pick.row)
             self.inflight[f.rel] = pick.row
+            self.lp.incoming.expect(self.listing, f.rel, pick.row)
             yield f
 
     def _recorded(self, entries: list[Entry]) -> None:  # copier threads

@@ -523,3 +523,24 @@ def test_a_remote_files_ranges_are_hashed_in_order_from_the_pieces_they_arrived_
     assert lf.seal(fsync=False) == dg.digest_bytes(data)
     assert lf.held == {}
     incoming.close()
+
+
+def test_files_handed_out_one_at_a_time_are_filed_by_row(tmp_path: Path) -> None:
+    """A streaming run hands its picks out one at a time: each one's entry is filed in the row columns (the
+    manifest then looks nothing up by path), and one Incoming never mixes two listings' rows."""
+    from stagingloader.sources.listing import Listing
+
+    listing = Listing.from_files([SourceFile(f"d/f{i}.bin", 100 + i, 1_000_000 + i) for i in range(5)])
+    incoming = Incoming(tmp_path / "incoming")
+    incoming.open()
+    digest = "xxh3_128:" + "ab" * 16
+    incoming.expect(listing, "d/f3.bin", 3)
+    incoming.record_tuples([("d/f3.bin", 103, 1_000_003, "", digest),  # expected: by row
+                            ("d/f1.bin", 101, 1_000_001, "", digest)])  # not: an extra entry
+    rec = incoming.recorded()
+    assert rec.have.tolist() == [False, False, False, True, False]
+    assert bytes(rec.digest[3]).hex() == "ab" * 16
+    assert [e.path for e in rec.extra] == ["d/f1.bin"]
+    with pytest.raises(ValueError, match="one listing"):
+        incoming.expect(Listing.from_files(list(listing)), "d/f0.bin", 0)
+    incoming.close()
