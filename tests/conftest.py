@@ -68,6 +68,9 @@ BY_HAND: dict[str, tuple[str, ...]] = {
     "tests/slurm/test_admin_docs.py::test_the_admins_install_check_dry_run_and_upgrade_blocks_run": ("network",),
     "tests/staging/test_fault_campaign.py": ("root",),  # the campaign, a child process, mounts a small tmpfs
     "tests/peers/test_bench_peers.py": ("s3",),  # the benchmark, a child process, starts its own S3 server
+    # the same, and the delay line in front of it
+    "tests/sources/test_bench_s3_latency.py::test_the_quick_latency_benchmark_moves_every_object_with_each_method":
+        ("s3",),
     # long (5 to 25 s each on a 2-core machine): left to `make test`
     "tests/staging/test_crash.py::test_sigkill_at_20_points_never_leaves_a_corrupt_file": ("slow",),
     "tests/cache/test_manifest.py::test_a_column_that_differs_from_the_listings_is_the_manifests_own[700000": ("slow",),
