@@ -73,6 +73,32 @@ Path(sys.argv[1]).write_text(json.dumps(out))
 """
 
 
+def site_base(prefix: str, user: pwd.struct_passwd, config: str) -> tuple[Path, Path]:
+    """A cluster's folder (under /run where it can: the nodes mount their own /tmp): the roots of n1 and n2, an
+    ``out`` folder the job user writes, and a site config (``{base}`` in ``config`` is the folder, ``{node}`` is
+    left for the hooks): (the folder, the config's path)."""
+    base = Path(__import__("tempfile").mkdtemp(prefix=prefix, dir="/run" if os.access("/run", os.W_OK) else None))
+    base.chmod(0o755)
+    for node in ("n1", "n2"):
+        (base / "roots" / node).mkdir(parents=True)
+    out = base / "out"
+    out.mkdir()
+    os.chown(out, user.pw_uid, user.pw_gid)
+    path = base / "config.toml"
+    path.write_text(config.replace("{base}", str(base)))
+    path.chmod(0o644)
+    return base, path
+
+
+#: a site config with a log and state folder and a tmpfs root per node
+CONFIG = """
+log_dir = "{base}/log/{node}"
+state_dir = "{base}/state/{node}"
+[roots]
+tmpfs = "{base}/roots/{node}/tmpfs"
+"""
+
+
 class Site:
     def __init__(self, base: Path, cluster: SlurmCluster, user: pwd.struct_passwd) -> None:
         self.base, self.cluster, self.user = base, cluster, user

@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ import pytest
 
 from stagingloader.cache.layout import DatasetDir
 from stagingloader.cache.locking import DatasetLock
-from tests.slurm.test_slurm import REPO, USER, Site
+from tests.slurm.test_slurm import CONFIG, REPO, USER, Site, site_base
 from tests.support.mountns import empty_tmpfs
 from tests.support.slurm import SlurmCluster, ensure_installed, job_user
 from tests.support.trees import make_tree
@@ -40,22 +39,7 @@ def site() -> Iterator[Site]:
     if why:
         pytest.skip(why)
     user = job_user(USER)
-    base = Path(tempfile.mkdtemp(prefix="sl-admin-", dir="/run" if os.access("/run", os.W_OK) else None))
-    base.chmod(0o755)
-    for node in ("n1", "n2"):
-        (base / "roots" / node).mkdir(parents=True)
-    out = base / "out"
-    out.mkdir()
-    os.chown(out, user.pw_uid, user.pw_gid)
-    config = base / "config.toml"
-    config.write_text(f"""
-log_dir = "{base}/log/{{node}}"
-state_dir = "{base}/state/{{node}}"
-budget_seconds = 60
-[roots]
-tmpfs = "{base}/roots/{{node}}/tmpfs"
-""")
-    config.chmod(0o644)
+    base, config = site_base("sl-admin-", user, "budget_seconds = 60\n" + CONFIG)
     cluster = SlurmCluster(hooks_python=sys.executable, prolog_epilog_timeout=TIMEOUT,
                            hook_env={"STAGINGLOADER_CONFIG": str(config), "PYTHONPATH": str(REPO)})
     cluster.start()

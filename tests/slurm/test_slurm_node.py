@@ -9,13 +9,12 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.slurm.test_slurm import REPO, USER, Site
+from tests.slurm.test_slurm import CONFIG, REPO, USER, Site, site_base
 from tests.support.mountns import empty_tmpfs
 from tests.support.slurm import SlurmCluster, ensure_installed, job_user
 from tests.support.trees import make_tree
@@ -29,17 +28,7 @@ def site() -> Iterator[Site]:
     if why:
         pytest.skip(why)
     user = job_user(USER)
-    base = Path(tempfile.mkdtemp(prefix="sl-nodeb-", dir="/run" if os.access("/run", os.W_OK) else None))
-    base.chmod(0o755)
-    for node in ("n1", "n2"):
-        (base / "roots" / node).mkdir(parents=True)
-    out = base / "out"
-    out.mkdir()
-    os.chown(out, user.pw_uid, user.pw_gid)
-    config = base / "config.toml"
-    config.write_text(f'log_dir = "{base}/log/{{node}}"\nstate_dir = "{base}/state/{{node}}"\n'
-                      f'[roots]\ntmpfs = "{base}/roots/{{node}}/tmpfs"\n')
-    config.chmod(0o644)
+    base, config = site_base("sl-nodeb-", user, CONFIG)
     mounts = empty_tmpfs([("/dev/shm", "mode=1777"), ("/tmp", "mode=1777"),
                           (user.pw_dir, f"mode=0755,uid={user.pw_uid},gid={user.pw_gid}")])
     cluster = SlurmCluster(hooks_python=sys.executable, node_mounts=mounts,
