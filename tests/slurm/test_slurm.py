@@ -6,11 +6,13 @@ The cluster starts once for the module (about 2 s) and is stopped by pid at the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,7 +79,7 @@ def site_base(prefix: str, user: pwd.struct_passwd, config: str) -> tuple[Path, 
     """A cluster's folder (under /run where it can: the nodes mount their own /tmp): the roots of n1 and n2, an
     ``out`` folder the job user writes, and a site config (``{base}`` in ``config`` is the folder, ``{node}`` is
     left for the hooks): (the folder, the config's path)."""
-    base = Path(__import__("tempfile").mkdtemp(prefix=prefix, dir="/run" if os.access("/run", os.W_OK) else None))
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir="/run" if os.access("/run", os.W_OK) else None))
     base.chmod(0o755)
     for node in ("n1", "n2"):
         (base / "roots" / node).mkdir(parents=True)
@@ -107,6 +109,18 @@ class Site:
 
     def roots(self, node: str) -> Path:
         return self.base / "roots" / node
+
+    @contextlib.contextmanager
+    def config_edited(self, old: str, new: str) -> Iterator[None]:
+        """The site config with ``old`` replaced by ``new`` for the body (the hooks read it anew each job)."""
+        config = Path(self.cluster.hook_env["STAGINGLOADER_CONFIG"])
+        saved = config.read_text()
+        assert old in saved, old
+        config.write_text(saved.replace(old, new))
+        try:
+            yield
+        finally:
+            config.write_text(saved)
 
     def private(self, node: str, kind: str = "tmpfs") -> Path:
         return self.roots(node) / kind / "users" / USER
@@ -150,7 +164,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     user = job_user(USER)
     base = Path(os.environ.get("STAGINGLOADER_SLURM_TEST_DIR") or "/run" if os.access("/run", os.W_OK)
                 else tmp_path_factory.mktemp("slurm"))
-    base = Path(__import__("tempfile").mkdtemp(prefix="sl-site-", dir=str(base)))
+    base = Path(tempfile.mkdtemp(prefix="sl-site-", dir=str(base)))
     base.chmod(0o755)
     for node in ("n1", "n2"):
         (base / "roots" / node / "nvme").mkdir(parents=True)
@@ -375,14 +389,9 @@ def test_pre_job_srun_stage_with_node_shards(site: Site) -> None:
 
 
 def test_stage_past_the_budget_goes_on_detached_and_the_job_waits_for_it(site: Site) -> None:
-    config = Path(site.cluster.hook_env["STAGINGLOADER_CONFIG"])
-    saved = config.read_text()
-    config.write_text(saved.replace("budget_seconds = 20", "budget_seconds = 0"))
-    try:
+    with site.config_edited("budget_seconds = 20", "budget_seconds = 0"):
         src = make_tree(site.sources / "slow", {f"{i}.bin": 4 << 20 for i in range(16)})
         job, r = site.run_job("detached", f"stage={src}", "-w", "n1", call_stage=str(src))
-    finally:
-        config.write_text(saved)
     assert r["STAGINGLOADER_STATUS"] in ("staging", "ok"), r
     assert "stage_error" not in r, r
     assert r["stage_digests"] == tree_digests(src)  # the job's stage() waited for the detached copy

@@ -99,13 +99,8 @@ def test_leases_taken_in_job_steps_are_released_on_every_node(site: Site) -> Non
 
 
 def test_a_typo_in_the_site_config_is_told_to_the_admin_and_the_job(site: Site) -> None:
-    config = Path(site.cluster.hook_env["STAGINGLOADER_CONFIG"])
-    saved = config.read_text()
-    config.write_text(saved.replace("budget_seconds", "budget_secs"))
-    try:
+    with site.config_edited("budget_seconds", "budget_secs"):
         job, r = site.run_job("typo", f"stage={site.sources / 'data'}", "-w", "n1")
-    finally:
-        config.write_text(saved)
     assert r["STAGINGLOADER_STATUS"] == BROKEN, r
     assert "STAGINGLOADER_DATASET" not in r
     slurmd = (site.cluster.dir / "log" / "slurmd-n1.log").read_text()

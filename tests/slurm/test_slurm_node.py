@@ -67,13 +67,8 @@ def test_the_epilog_keeps_the_node_under_its_budget_across_users(site: Site) -> 
     on_n2 = site.cluster.on_node
     assert on_n2("n2", str(orphan["dataset_dir"])).is_dir()
     assert not Path(str(orphan["dataset_dir"])).exists()  # n2's own /dev/shm, not the machine's
-    config = Path(site.cluster.hook_env["STAGINGLOADER_CONFIG"])
-    saved = config.read_text()
-    config.write_text(saved.replace("[roots]", '[node_budget]\ntmpfs = "20K"\n[roots]'))
-    try:
+    with site.config_edited("[roots]", '[node_budget]\ntmpfs = "20K"\n[roots]'):
         job, r = site.run_job("budget", f"stage={more}", "-w", "n2")
-    finally:
-        config.write_text(saved)
     log = site.hook_log("n2", job)
     assert r["STAGINGLOADER_STATUS"] == "ok", (r, log)
     assert f"node budget: dropped slurm-job-999999 on {orphan['dataset_dir']}" in log, log
