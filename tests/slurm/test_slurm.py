@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import pwd
+import re
 import shutil
 import sys
 import tempfile
@@ -302,7 +303,7 @@ def test_two_node_job_with_peers_reads_the_source_once(site: Site) -> None:
         assert r["files"] == everything
         assert r["digests"] == tree_digests(src)
         log = site.hook_log(node, job)
-        m = __import__("re").search(r"with peers: node \d of 2, (\d+) files read from the source, (\d+) from peers",
+        m = re.search(r"with peers: node \d of 2, (\d+) files read from the source, (\d+) from peers",
                                     log)
         assert m, log
         read += int(m.group(1))
@@ -350,7 +351,7 @@ def test_two_node_job_streams_with_peers_and_reads_the_source_once(site: Site) -
         assert r["digests"] == tree_digests(src)  # every byte, read while it streamed
     read = 0
     for node, r in zip(("n1", "n2"), results):  # the stager's log, in the version it published
-        m = __import__("re").search(r"peers: .* read from the source \((\d+) files\), .* from peers \((\d+) files\)",
+        m = re.search(r"peers: .* read from the source \((\d+) files\), .* from peers \((\d+) files\)",
                                     r["log"])
         assert m, (node, r["log"], site.hook_log(node, job))
         read += int(m.group(1))
