@@ -250,7 +250,8 @@ class Schedule:
         """Rows to evict so that ``row`` fits, each used later than ``beat`` (-1: any evictable row); None if the
         cache cannot make room on those terms (then ``row`` waits).  The readers' windows are kept, but never more
         than half the cache; an urgent row (``beat`` -1) that still does not fit may take a window row, furthest
-        first, rather than wait for ever.  A pinned row (copied for an urgent request, not read yet) never goes."""
+        first, rather than wait for ever.  A pinned row (copied for an urgent request, not read yet) goes only for a
+        row its own reader is blocked on, as a last resort (:meth:`_own_pins`)."""
         if self.limit is None:
             return ()
         need = self.cached_bytes + self.inflight_bytes + int(self.sizes[row]) - self.limit
@@ -268,6 +269,8 @@ class Schedule:
             victims = self._furthest(candidates, need) if len(candidates) else None
             if victims is not None:
                 break
+        if victims is None and beat < 0:
+            victims = self._own_pins(row, free, need)
         if victims is None:
             return None
         self.ready[victims] = False
@@ -278,6 +281,22 @@ class Schedule:
             self._ptr = min(self._ptr, int(ranks.min()))
         self._tail = min(self._tail, int(victims.min()))
         return tuple(int(v) for v in victims)
+
+    def _own_pins(self, row: int, free: npt.NDArray[np.bool_], need: int) -> Rows | None:
+        """The last resort for ``row``, which a reader is blocked on: that reader's own pinned rows may go too.  It
+        asked for them before this one, and a reader (a process) asks for the file it is about to open, so it has
+        opened them (an open file is read whole after its eviction); otherwise a reader without an order file in a
+        cache that holds a few files waited out PIN_SECONDS on each file that did not fit beside its own pins."""
+        asker = self._asked.get(row)
+        own = [r for r, (_, who, _) in self.pinned.items() if who == asker and self.ready[r]]
+        if asker is None or not own:
+            return None
+        candidates = np.union1d(np.flatnonzero(free), np.array(own, dtype=np.int64))
+        victims = self._furthest(candidates, need)
+        if victims is not None:
+            for v in victims.tolist():
+                self.pinned.pop(v, None)
+        return victims
 
     def _furthest(self, candidates: Rows, need: int) -> Rows | None:
         """The fewest of ``candidates`` that free ``need`` bytes, furthest next use first (eviction's Belady rule,

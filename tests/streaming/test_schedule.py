@@ -102,6 +102,26 @@ def test_a_row_copied_for_a_reader_stays_until_it_is_read() -> None:
     assert pick is not None and pick.row == 16 and set(pick.evict) <= {0, 15} and 17 in s.pinned
 
 
+def test_a_reader_blocked_on_a_file_that_does_not_fit_beside_its_own_pins_gets_it_at_once() -> None:
+    """A reader with no order file (``files[i]`` in a loop) in a cache of two files: each file it asks for is
+    pinned; the third waited out PIN_SECONDS (9 s a file, seen end to end) until its own earlier pins went, which
+    it had opened.  Another reader's pins still stay."""
+    s = Schedule([1000, 1000, 1000, 1000], limit=2000, min_window=1)
+    for row in (0, 1):
+        s.add_urgent("r0-7", np.array([row], dtype=np.int64))
+        pick = s.next()
+        assert pick is not None and pick.row == row and pick.evict == ()
+        s.done([row])
+    assert set(s.pinned) == {0, 1}
+    s.add_urgent("r0-7", np.array([2], dtype=np.int64))
+    pick = s.next()
+    assert pick is not None and pick.row == 2 and len(pick.evict) == 1 and set(pick.evict) <= {0, 1}
+    s.done([2])
+    assert 2 in s.pinned and not set(pick.evict) & set(s.pinned)
+    s.add_urgent("r0-8", np.array([3], dtype=np.int64))  # another reader: the cache holds r0-7's pins only
+    assert s.next() is None
+
+
 def test_rows_another_node_brings_are_never_picked_until_released() -> None:
     """A stage with peers: the rows other nodes bring arrive through done(); those of a node that is out are
     released and picked here, in the readers' order, even behind where the order had got to."""
