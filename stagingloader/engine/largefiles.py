@@ -1,8 +1,8 @@
 """A large file copied by ranges into one temp file, by the worker that opened it, and hashed in order.
 
-A large file's ranges go to one worker, in order (:meth:`.copier.Copier._next_job`): it copies each with
-``sendfile`` and hashes it from one read-only mapping of the pages it wrote, both for the range's digest (the
-``.ranges`` journal, from which a killed copy resumes) and into the file's running digest; with the last range
+A large file's ranges go to one worker, in order (:meth:`.copier.Copier._next_job`): it copies each through its
+reused buffer and hashes the bytes there, both for the range's digest (the ``.ranges`` journal, from which a
+killed copy resumes) and into the file's running digest; with the last range
 it sends the file's xxh3-128 digest, the one the manifest records.  The stager's process reads none of it.
 
 When the ranges cannot all come from one worker in order (another worker helps with the last file, the stager
