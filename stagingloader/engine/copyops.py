@@ -4,13 +4,14 @@ Nothing here holds state between calls but a reusable buffer and the running dig
 order, so the same functions run in the stager's process, in its threads (remote sources) and in worker
 processes (:mod:`.workerpool`).
 
-A local file, and each range of a large one, is read through a reused buffer, hashed from it and written
-(``readv``/``write``, ``preadv``/``pwrite``): each byte passes once through the buffer and once through the
-hash, as ``cp`` plus the hash.  The kernel's ``sendfile`` with a hash of the written pages from a read-only
-mapping was used from 64 KiB until 2026-12-03: alternating A/B runs then measured the buffer at 1.72 against
-2.06 CPU-s for 20,000 x 100 KiB into tmpfs, 3.7 against 4.0 for 4 x 1 GiB (the mapping's page faults), and
-faster wall times for both.  The source is never mapped: a source truncated under a mapping would kill the
-process with SIGBUS.
+A local file is read through a reused buffer, hashed from it and written (``readv``/``write``): each byte
+passes once through the buffer and once through the hash, as ``cp`` plus the hash.  A large file's ranges go
+the same way (``preadv``/``pwrite``) into tmpfs; onto other file systems the kernel copies them (``sendfile``)
+and they are hashed from a read-only mapping of the pages written.  Measured in alternating A/B runs
+(``benchmarks/ab_commits.py``, 2026-12-03): the buffer against ``sendfile`` with the mapping, into tmpfs,
+20,000 x 100 KiB 1.75 against 2.08 CPU-s, 4 x 1 GiB 3.69 against 4.55 (the mapping's page faults); onto ext4,
+100 KiB files level, 1 GiB files 6.4 against 3.7 CPU-s (the buffer's writes cost ext4 twice the system time).
+The source is never mapped: a source truncated under a mapping would kill the process with SIGBUS.
 
 Every file is written under a temp name in ``incoming/.partial``, checked against the source manifest's
 digest when there is one, and renamed into ``incoming/data``: a file there is whole and verified.
@@ -33,6 +34,7 @@ from typing import Any, Protocol
 import xxhash
 
 from .. import digest as dg
+from ..cache.tiers import mount_of
 from ..errors import NoSpaceError, RootError, SourceChangedError, StagingError, VerificationError
 from ..retry import RetryPolicy, as_source_error, call_with_retry, is_transient_os_error
 from ..sources import stable
@@ -54,6 +56,7 @@ def _libc(name: str, *argtypes: Any) -> Callable[..., int] | None:
 _SYNCFS = _libc("syncfs", ctypes.c_int)
 _SYNC_FILE_RANGE = _libc("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 _SYNC_FILE_RANGE_WRITE = 2  #: start writeback of the range's dirty pages, do not wait
+_NO_SENDFILE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV, errno.ESPIPE}
 QUICK_MAX = 64 << 10  #: smaller local files are read in one call, the quick way (see Worker._quick_write)
 BUFFER_SIZE = 1 << 20  #: the reused read buffer of small files
 
@@ -103,6 +106,9 @@ class Worker:
         self._partial_made = False
         self.data = f"{target.incoming}/data"
         self._local = threading.local()  #: each thread's reused buffer
+        #: a local large file's ranges: through the buffer into tmpfs (1.23x less CPU for 4 x 1 GiB than sendfile
+        #: and a hash of the written pages), by sendfile elsewhere (ext4: 0.6x the CPU of the buffer's writes)
+        self._range_buffer: bool | None = None
         self._names = 0
         self._lock = threading.Lock()
         self._chains: dict[str, tuple[xxhash.xxh3_128, int]] = {}  #: temp file -> its running digest, bytes in it
@@ -330,8 +336,9 @@ class Worker:
         ``chain`` says this worker copies the file's ranges in order (the stager decides, see
         :class:`~.largefiles.LargeFile`): it then also feeds each range into the file's running digest, kept here
         between calls, so the stager need not read the file again.  A local range is read through the reused
-        buffer, hashed from it and written (see the module doc); a transient read error retries the range from its
-        start, with the running digest as it was before it."""
+        buffer, hashed from it and written when the staging root is in memory (tmpfs), and copied by the kernel
+        (``sendfile``) and hashed from a mapping of the pages written elsewhere (see the module doc); a transient
+        read error retries the range from its start, with the running digest as it was before it."""
         fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             running = self._chained(tmp, offset) if chain else None
@@ -346,6 +353,15 @@ class Worker:
                     running.update(data)
                 return dg.digest_bytes(data), self._chain_end(tmp, running, offset + length, f.size), [data]
 
+            if self._range_buffer is None:
+                self._range_buffer = mount_of(self.target.incoming).is_memory
+            if not self._range_buffer:
+                try:
+                    return self._sendfile_range(f, path, tmp, fd, offset, length, running)
+                except OSError as e:
+                    if e.errno not in _NO_SENDFILE:
+                        raise
+                    self._range_buffer = True  # this file system cannot: the buffer from now on
             hashers: list[Any] = []
 
             def attempt() -> int:  # from the range's start each time: the running digest takes each byte once
@@ -375,6 +391,27 @@ class Worker:
         finally:
             os.close(fd)
 
+    def _sendfile_range(self, f: SourceFile, path: str, tmp: str, fd: int, offset: int, length: int,
+                        running: xxhash.xxh3_128 | None) -> tuple[str, str, list[Buffer]]:
+        """A local range copied by the kernel and hashed from a read-only mapping of the pages written."""
+        def attempt() -> int:
+            src, _ = stable.open_listed(path, f)
+            try:
+                os.lseek(fd, offset, os.SEEK_SET)
+                return sendfile_range(src, fd, offset, length, path)
+            finally:
+                os.close(src)
+
+        n = call_with_retry(attempt, path, self.target.retry, self.stop)  # type: ignore[arg-type]
+        if n != length:
+            raise SourceChangedError(f"{path} shrank while it was copied; stage again once it is stable")
+        self._start_writeback(fd, offset, length)
+        with mmap.mmap(fd, length, prot=mmap.PROT_READ, offset=offset) as m:  # mapped once for both digests
+            if running is not None:
+                running.update(m)
+            digest = dg.digest_bytes(m)  # type: ignore[arg-type]
+        return digest, self._chain_end(tmp, running, offset + length, f.size), []
+
     def _chained(self, tmp: str, offset: int) -> xxhash.xxh3_128 | None:
         """The running digest of ``tmp``'s file if this worker hashed every byte before ``offset``, else None."""
         with self._lock:
@@ -393,6 +430,25 @@ class Worker:
                 return dg.format_digest(hasher)
             self._chains[tmp] = (hasher, end)
         return ""
+
+
+def sendfile_range(src: int, out_fd: int, offset: int, length: int, path: str) -> int:
+    """``sendfile`` ``length`` bytes at ``offset`` of ``src`` to ``out_fd``'s position; the bytes copied (fewer
+    when the source ended first).  Source errors as :func:`read_source` says, target errors as the root's."""
+    done = 0
+    while done < length:
+        try:
+            n = os.sendfile(out_fd, src, offset + done, length - done)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG):
+                raise as_root_error(e) from e
+            if is_transient_os_error(e) or e.errno in _NO_SENDFILE:
+                raise
+            raise as_source_error(e, path) from e
+        if n == 0:
+            break
+        done += n
+    return done
 
 
 def hash_written(fd: int, offset: int, length: int) -> tuple[xxhash.xxh3_128, str]:
@@ -449,4 +505,4 @@ def as_root_error(exc: BaseException) -> BaseException:
 
 
 __all__ = ["QUICK_MAX", "Buffer", "EntryTuple", "Item", "Remote", "StopFlag", "Target", "Worker", "as_root_error",
-           "hash_written", "pwrite_all", "read_source", "write_out"]
+           "hash_written", "pwrite_all", "read_source", "sendfile_range", "write_out"]

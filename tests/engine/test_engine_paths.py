@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -361,12 +362,17 @@ def test_a_large_file_copied_in_order_by_one_worker_is_hashed_there_not_read_aga
     assert tree_digests(incoming.data) == tree_digests(src)
 
 
-def test_a_retried_range_feeds_the_running_digest_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("into", ["tmpfs", "disk"])
+def test_a_retried_range_feeds_the_running_digest_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       into: str) -> None:
     """A read error in the middle of a range retries the range from its start: the file's running digest takes
-    each byte once, and a gap in the chain gives no digest, never a wrong one."""
+    each byte once, and a gap in the chain gives no digest, never a wrong one.  Into tmpfs a range goes through
+    the worker's buffer, elsewhere by sendfile: both ways."""
     import errno
+    import tempfile
 
     from stagingloader import digest as dg
+    from stagingloader.cache.tiers import mount_of
     from stagingloader.engine import copyops
     from stagingloader.retry import RetryPolicy
 
@@ -374,37 +380,58 @@ def test_a_retried_range_feeds_the_running_digest_once(tmp_path: Path, monkeypat
     size = 5 * mib + 123
     src = make_tree(tmp_path / "src", {"big.bin": size})
     listed = next(iter(Source(str(src)).listing()))
-    incoming = Incoming(tmp_path / "incoming")
-    incoming.open()
-    tmp = str(incoming.partial / "big.tmp")
-    with open(tmp, "wb") as f:
-        f.truncate(size)
-    target = copyops.Target(incoming=str(incoming.path), source_url=str(src), fsync=False,
-                            retry=RetryPolicy(first_delay=0.0, max_delay=0.0))
-    worker = copyops.Worker(target, threading.Event())
-    real, calls = copyops.read_source, [0]
+    where = Path(tempfile.mkdtemp(dir="/dev/shm" if into == "tmpfs" else "/var/tmp"))
+    try:
+        assert mount_of(where).is_memory == (into == "tmpfs"), f"{where} is not on {into} on this machine"
+        incoming = Incoming(where / "incoming")
+        incoming.open()
+        tmp = str(incoming.partial / "big.tmp")
+        with open(tmp, "wb") as f:
+            f.truncate(size)
+        target = copyops.Target(incoming=str(incoming.path), source_url=str(src), fsync=False,
+                                retry=RetryPolicy(first_delay=0.0, max_delay=0.0))
+        worker = copyops.Worker(target, threading.Event())
+        calls = [0]
+        if into == "tmpfs":
+            real_read = copyops.read_source
 
-    def flaky(fd: int, view: memoryview, path: str, offset: int | None = None) -> int:
-        calls[0] += 1
-        if calls[0] == 2:  # the first range: its first MiB read, written and hashed, then a transient error
-            raise OSError(errno.EIO, "transient")
-        return real(fd, view, path, offset)
+            def flaky_read(fd: int, view: memoryview, path: str, offset: int | None = None) -> int:
+                calls[0] += 1
+                if calls[0] == 2:  # the first range: its first MiB read, written and hashed, then an error
+                    raise OSError(errno.EIO, "transient")
+                return real_read(fd, view, path, offset)
 
-    monkeypatch.setattr(copyops, "read_source", flaky)
-    monkeypatch.setattr(copyops, "is_transient_os_error", lambda e: True)
-    step = 2 * mib  # two reads of the 1 MiB buffer a range
-    digests = [worker.copy_range(listed, str(src / "big.bin"), tmp, o, min(step, size - o), True)
+            monkeypatch.setattr(copyops, "read_source", flaky_read)
+            want_calls = (1 + 1 + 2) + 2 + 2  # 1 MiB reads: 2 MiB, 2 MiB, 1 MiB + 123 bytes
+        else:
+            real_send = copyops.sendfile_range
+
+            def flaky_send(src_fd: int, out_fd: int, offset: int, length: int, path: str) -> int:
+                calls[0] += 1
+                if calls[0] == 1:  # the first range: half of it written, then an error
+                    real_send(src_fd, out_fd, offset, length // 2, path)
+                    raise OSError(errno.EIO, "transient")
+                return real_send(src_fd, out_fd, offset, length, path)
+
+            monkeypatch.setattr(copyops, "sendfile_range", flaky_send)
+            want_calls = 2 + 1 + 1
+        monkeypatch.setattr(copyops, "is_transient_os_error", lambda e: True)
+        step = 2 * mib
+        digests = [worker.copy_range(listed, str(src / "big.bin"), tmp, o, min(step, size - o), True)
+                   for o in range(0, size, step)]
+        assert calls[0] == want_calls, "the first range was tried twice, from its start"
+        whole = tree_digests(src)["big.bin"]
+        assert [d[1] for d in digests] == ["", "", whole]
+        data = (src / "big.bin").read_bytes()
+        assert [d[0] for d in digests] == [dg.digest_bytes(data[o:o + step]) for o in range(0, size, step)]
+        assert Path(tmp).read_bytes() == data
+        # a chain with a gap (the middle range copied elsewhere) sends no file digest
+        gap = [worker.copy_range(listed, str(src / "big.bin"), tmp, o, min(step, size - o), o != step)
                for o in range(0, size, step)]
-    assert calls[0] == (1 + 1 + 2) + 2 + 2, "the first range was tried twice, from its start"  # 2, 2, 1 MiB + 123
-    whole = tree_digests(src)["big.bin"]
-    assert [d[1] for d in digests] == ["", "", whole]
-    data = (src / "big.bin").read_bytes()
-    assert [d[0] for d in digests] == [dg.digest_bytes(data[o:o + step]) for o in range(0, size, step)]
-    # a chain with a gap (the middle range copied elsewhere) sends no file digest
-    gap = [worker.copy_range(listed, str(src / "big.bin"), tmp, o, min(step, size - o), o != step)
-           for o in range(0, size, step)]
-    assert [d[1] for d in gap] == ["", "", ""]
-    incoming.close()
+        assert [d[1] for d in gap] == ["", "", ""]
+        incoming.close()
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.mark.parametrize("workers", [1, 3])
