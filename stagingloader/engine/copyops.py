@@ -59,6 +59,10 @@ _SYNC_FILE_RANGE_WRITE = 2  #: start writeback of the range's dirty pages, do no
 _NO_SENDFILE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV, errno.ESPIPE}
 QUICK_MAX = 64 << 10  #: smaller local files are read in one call, the quick way (see Worker._quick_write)
 BUFFER_SIZE = 1 << 20  #: the reused read buffer of small files
+#: the most one read asks of a FUSE share: the kernel waits out a FUSE request it has sent, even for a killed
+#: process, so a stage stopped mid-read of a slow share ends only when that read does (64 KiB, what ``sendfile``
+#: asked of it through its pipe; 4 s at 256 KiB/s for a read of the whole buffer)
+FUSE_READ = 64 << 10
 
 
 class StopFlag(Protocol):
@@ -109,6 +113,7 @@ class Worker:
         #: a local large file's ranges: through the buffer into tmpfs (1.23x less CPU for 4 x 1 GiB than sendfile
         #: and a hash of the written pages), by sendfile elsewhere (ext4: 0.6x the CPU of the buffer's writes)
         self._range_buffer: bool | None = None
+        self._read_size = 0  #: the most one read of the source asks for (see FUSE_READ); set at the first read
         self._names = 0
         self._lock = threading.Lock()
         self._chains: dict[str, tuple[xxhash.xxh3_128, int]] = {}  #: temp file -> its running digest, bytes in it
@@ -118,6 +123,12 @@ class Worker:
         if buf is None:
             buf = self._local.buf = bytearray(BUFFER_SIZE)  # touched once, then reused (fresh pages are slow here)
         return memoryview(buf)
+
+    def source_view(self, path: str) -> memoryview:
+        """The buffer, as much of it as one read of the local source that holds ``path`` may fill."""
+        if not self._read_size:
+            self._read_size = FUSE_READ if mount_of(path).fs_type.startswith("fuse") else BUFFER_SIZE
+        return self.buffer()[:self._read_size]
 
     # ---- small files -------------------------------------------------------------------------
     def copy_batch(self, items: list[Item]) -> tuple[list[EntryTuple], BaseException | None]:
@@ -296,7 +307,7 @@ class Worker:
     def _through_buffer(self, src: int, out_fd: int, expect: int, path: str) -> tuple[int, str]:
         """Copy ``expect`` bytes (the size when opened: no read at the end only to meet it; a file that grew or
         shrank meanwhile shows in its identity after the copy)."""
-        view = self.buffer()
+        view = self.source_view(path)
         hasher = dg.new_hasher()
         size = 0
         while size < expect and (n := read_source(src, view[:expect - size], path)):
@@ -367,7 +378,7 @@ class Worker:
             def attempt() -> int:  # from the range's start each time: the running digest takes each byte once
                 src, _ = stable.open_listed(path, f)
                 try:
-                    view, done = self.buffer(), 0
+                    view, done = self.source_view(path), 0
                     whole, chained = dg.new_hasher(), running.copy() if running is not None else None
                     while done < length and (n := read_source(src, view[:min(len(view), length - done)], path,
                                                               offset + done)):
@@ -504,5 +515,5 @@ def as_root_error(exc: BaseException) -> BaseException:
     return exc
 
 
-__all__ = ["QUICK_MAX", "Buffer", "EntryTuple", "Item", "Remote", "StopFlag", "Target", "Worker", "as_root_error",
-           "hash_written", "pwrite_all", "read_source", "sendfile_range", "write_out"]
+__all__ = ["BUFFER_SIZE", "FUSE_READ", "QUICK_MAX", "Buffer", "EntryTuple", "Item", "Remote", "StopFlag", "Target",
+           "Worker", "as_root_error", "hash_written", "pwrite_all", "read_source", "sendfile_range", "write_out"]

@@ -239,7 +239,12 @@ class LoaderIter:
             self._end()
             raise
         except Exception as e:
-            dead = self._dead_workers()
+            try:
+                dead = self._dead_workers()
+            except RuntimeError as again:  # torch's SIGCHLD handler, as the dead worker's end reached this process
+                if not any(t in str(again) for t in WORKER_DEATH):
+                    raise
+                dead = self._dead_workers() or str(again)  # a death raises once: this look runs to its end
             if dead:
                 self._bury()
                 raise RuntimeError(dead) from e

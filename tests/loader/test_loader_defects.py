@@ -80,6 +80,28 @@ def test_a_dead_worker_returns_the_slots_and_the_next_epoch_starts_fresh(files: 
     assert loader.pool is not None and loader.pool.busy() == 0
 
 
+def test_a_death_raised_again_while_it_is_looked_at_still_returns_the_slots(files: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's SIGCHLD handler raises wherever the main thread is when the dead worker's end arrives: here in the
+    middle of the look at which worker died (1 run in 40 did so by itself), as it does there."""
+    from stagingloader.loader.iterator import LoaderIter
+
+    look = LoaderIter._dead_workers
+    raised: list[str] = []
+
+    def late_signal(self: LoaderIter) -> str:
+        if not raised:
+            raised.append("once")
+            raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed. ")
+        return look(self)
+
+    monkeypatch.setattr(LoaderIter, "_dead_workers", late_signal)
+    loader = sl.DataLoader(_KillOnce(files), batch_size=8, num_workers=2, persistent_workers=True)
+    with pytest.raises(RuntimeError, match=r"killed by signal"):
+        list(loader)
+    assert raised and loader.pool is not None and loader.pool.busy() == 0
+
+
 # ---- 2. the loader does not change the dataset it is given --------------------------------------------
 def test_two_loaders_over_one_dataset_at_once(files: Path) -> None:
     ds = sl.StagedFiles(files)

@@ -4,12 +4,15 @@ bytes; one that keeps failing is reported naming the file.  The share is a real 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import stagingloader as sl
+from stagingloader.engine.copyops import BUFFER_SIZE, FUSE_READ, Target, Worker
+from stagingloader.retry import RetryPolicy
 from tests.support.flakyfs import FlakyMount
 from tests.support.trees import make_tree, tree_digests
 
@@ -43,6 +46,15 @@ def test_a_file_that_keeps_failing_is_reported_by_name(share: Path, tmp_path: Pa
         sl.stage(mnt, root=root, workers=2)
     text = str(err.value)
     assert "mid.bin" in text and "Input/output error" in text and "attempts" in text
+
+
+def test_reads_of_a_fuse_share_are_small_enough_for_a_stop_to_land(share: Path, tmp_path: Path, root: Path) -> None:
+    """The kernel waits out a FUSE read it has sent, even for a killed process: a stop mid-read of a slow share
+    lands only when the read ends, so each asks for 64 KiB there, and for the whole buffer from a local disk."""
+    target = Target(incoming=str(root), source_url=str(share), fsync=False, retry=RetryPolicy())
+    with _mount(share, tmp_path, {}) as mnt:
+        assert len(Worker(target, threading.Event()).source_view(str(mnt / "big.bin"))) == FUSE_READ
+    assert len(Worker(target, threading.Event()).source_view(str(share / "big.bin"))) == BUFFER_SIZE > FUSE_READ
 
 
 @pytest.fixture(autouse=True)
