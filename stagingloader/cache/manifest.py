@@ -272,8 +272,8 @@ class _Digests(Mapping[str, str]):
         self.manifest, self.row_of = manifest, row_of
 
     def _row(self, rel: str) -> int:
-        i = self.row_of(rel) if self.row_of is not None else -1
-        if i >= 0 and self.manifest.path.raw(i) == encode(rel):
+        i = self.row_of(rel) if self.row_of is not None else -1  # a listing's row: past the end for files added
+        if 0 <= i < len(self.manifest.path) and self.manifest.path.raw(i) == encode(rel):
             return i
         return self.manifest.find(rel)
 

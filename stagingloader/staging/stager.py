@@ -41,6 +41,7 @@ from ..sources.scanning import BackgroundScan
 from ..sources.source import Source
 from ..units import human_bytes, parse_bytes
 from .copyplan import CORRUPT, CopyPlan, make_plan
+from .manifest_rows import ListingCheck, rows_from_manifest
 from .result import StagedDataset, StageReport
 from .sharding import take_shard
 from .verify import check_fast, check_full
@@ -193,12 +194,15 @@ def plan_stage(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = 
 
 def open_run(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = None,
              on_event: Callable[[str], None] | None = None, verb: str = "staging", early_scan: bool = False,
-             dry_run: bool = False, listing: Listing | None = None) -> tuple[StageRun, str]:
+             dry_run: bool = False, listing: Listing | None = None, from_manifest: bool = False
+             ) -> tuple[StageRun, str]:
     """List the source (this node's shard) and pick the root: what a run works on, and the source's identity.
     ``listing``: the source's listing as another node made it (peers), used instead of listing again.
     ``opts.cache_limit``: the bytes the run may keep on the tier (a streaming run), which is what ``auto`` must find.
     ``early_scan``: scan a large published copy of the dataset in another process meanwhile (for the fast check).
     ``dry_run``: find the root without creating it.
+    ``from_manifest``: take the rows from the source's manifest where a local folder has one, and check them
+    against a listing made in another process meanwhile (a streaming run, see :mod:`.manifest_rows`).
     """
     env = dict(os.environ) if env is None else env
     say = on_event or (lambda text: log.info("%s", text))
@@ -207,21 +211,36 @@ def open_run(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = No
     identity = dataset_identity(source, opts)
     key = dataset_key(identity)
     early = _scan_published_early(opts, key, env) if early_scan and not dry_run else None
+    check = None
     try:
+        if listing is None and from_manifest and not dry_run:
+            listing = rows_from_manifest(source, opts)
+            if listing is not None:
+                check = ListingCheck(source, opts, listing)
+                say(f"rows from the manifest of {source.url} ({len(listing)} files); the source is listed "
+                    "meanwhile and checked against them before the version is published")
         if listing is None:
             listing = Listing.of(take_shard(source.listing(opts.include, opts.exclude), opts.shard))
     except BaseException:
         if early is not None:
             early.close()
+        if check is not None:
+            check.close()
         raise
     total = listing.total_bytes
     needed = total if opts.cache_limit is None else min(total, opts.cache_limit)
-    tier, why = resolve_root(opts.root, needed, key, max_ram_fraction=opts.max_ram_fraction, env=env,
-                             user=current_user(), create=not dry_run)
+    try:
+        tier, why = resolve_root(opts.root, needed, key, max_ram_fraction=opts.max_ram_fraction, env=env,
+                                 user=current_user(), create=not dry_run)
+    except BaseException:
+        for started in (early, check):
+            if started is not None:
+                started.close()
+        raise
     say(f"{'would stage' if dry_run else verb} {source.url} ({len(listing)} files, {human_bytes(total)}) "
         f"into {tier.describe()}: {why}")
     run = StageRun(source=source, listing=listing, opts=opts, tier=tier, why=why, ddir=DatasetDir(tier.path / key),
-                   t0=t0, say=say, early=early)
+                   t0=t0, say=say, early=early, check=check)
     return run, identity
 
 
@@ -305,6 +324,8 @@ class StageRun:
     t0: float
     say: Callable[[str], None]
     early: BackgroundScan | None = None  #: the published copy's scan, started while the source was listed
+    #: the rows came from the source manifest: the listing that checks them, made meanwhile (see .manifest_rows)
+    check: ListingCheck | None = None
 
     @property
     def workers(self) -> int:

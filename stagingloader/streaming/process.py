@@ -48,7 +48,7 @@ from ..cache import leases, trust
 from ..cache.locking import DatasetLock
 from ..cache.manifest import Entry
 from ..engine.copier import STOP_GRACE_SECONDS, STOP_SECONDS, Copier, CopySettings
-from ..errors import InternalError, NoSpaceError, StagingError
+from ..errors import InternalError, NoSpaceError, SourceChangedError, StagingError
 from ..sources.listing import Listing
 from ..sources.source import SourceFile
 from ..staging.result import StagedDataset
@@ -119,12 +119,24 @@ def stream_stage(req: StreamRequest, *, tell: Callable[[dict[str, Any]], None], 
                  env: dict[str, str] | None = None) -> None:
     """Run a streaming stage as ``req`` says; ``tell`` answers the starter (events, then ready)."""
     opts = req.opts
-    run, identity = open_run(req.src, opts, env=env, on_event=lambda text: tell({"event": text}), verb="streaming")
+    def say(text: str) -> None:
+        tell({"event": text})
+
+    run, identity = open_run(req.src, opts, env=env, on_event=say, verb="streaming", from_manifest=True)
+    try:
+        _stream_locked(run, identity, req, tell=tell, stop=stop, env=env)
+    finally:
+        if run.check is not None:
+            run.check.close()
+
+
+def _stream_locked(run: StageRun, identity: str, req: StreamRequest, *, tell: Callable[[dict[str, Any]], None],
+                   stop: threading.Event, env: dict[str, str] | None) -> None:
     if someone_elses(run):  # root's site-shared copy: read along its stager, or use it as published
         tell({"ready": _read_along(run, foreign=True, holder_pid=None) or _published_foreign(run)})
         return
     own_folder(run, env)
-    lock = DatasetLock(run.ddir.lock_file, timeout=opts.lock_timeout, on_wait=run.say)
+    lock = DatasetLock(run.ddir.lock_file, timeout=req.opts.lock_timeout, on_wait=run.say)
     along = _lock_or_read_along(run, lock, req)
     if along is not None:
         tell({"ready": along})
@@ -132,6 +144,9 @@ def stream_stage(req: StreamRequest, *, tell: Callable[[dict[str, Any]], None], 
     try:
         own_folder(run)
         lp = plan_locked(run, identity)
+        if lp.plan.up_to_date and not _rows_hold(run):  # a version is published: answer only from the source
+            run, identity = open_run(req.src, req.opts, env=env, on_event=run.say, verb="streaming")
+            lp = plan_locked(run, identity)
         if lp.plan.up_to_date:
             version, manifest = keep_published(run, lp)
             ds = finish(run, lp, version, manifest, holder_pid=req.holder_pid)
@@ -141,6 +156,20 @@ def stream_stage(req: StreamRequest, *, tell: Callable[[dict[str, Any]], None], 
         StreamRun(run, lp, req, tell=tell, stop=stop).run()
     finally:
         lock.release()
+
+
+def _rows_hold(run: StageRun) -> bool:
+    """Are the run's rows the source's own?  Listed rows are; rows from the source manifest are once the listing
+    made meanwhile says so (False, said, when the source changed since the manifest)."""
+    if run.check is None:
+        return True
+    try:
+        run.check.verdict()
+    except SourceChangedError:
+        run.say(f"warning: {run.source.url} changed since its manifest was written ({run.check.changes}); "
+                "listing the source instead")
+        return False
+    return True
 
 
 def _lock_or_read_along(run: StageRun, lock: DatasetLock, req: StreamRequest) -> dict[str, Any] | None:
@@ -242,6 +271,7 @@ class StreamRun:
         self._end_lock = threading.Lock()
         self._ending = False  #: the final state is claimed (by the run, or by the watchdog): see _claim_end
         self.failed = False
+        self.checked = run.check is None  #: the rows are the source's (listed, or checked against a listing)
 
     def run(self) -> None:
         run, lp = self.run_, self.lp
@@ -276,6 +306,10 @@ class StreamRun:
                 raise self._poll_error
             with self.lock:
                 self._collect()
+            if not self.checked and self.sched.finished and not self.sched.evicted:
+                assert run.check is not None
+                run.check.verdict()  # wait for the listing: a version is published only of the source as it is
+                self.checked = True
         except BaseException as e:
             self._done.set()
             with contextlib.suppress(OSError):
@@ -420,6 +454,11 @@ class StreamRun:
         if self.stop.is_set():  # SIGTERM, a lost lease, a failure: say so, and make sure the process ends
             self._stopping()
             return
+        check = self.run_.check
+        if check is not None and not self.checked and check.done():
+            check.verdict()  # rows from the source manifest: a source changed since fails the run now
+            self.checked = True
+            log.info("the listing of %s matches the rows its manifest gave", self.run_.source.url)
         if self._take_requests():
             self.wake.set()
         with self.lock:

@@ -327,8 +327,10 @@ def test_a_file_that_fails_its_source_manifest_fails_the_stream_and_never_appear
     sl.write_manifest(str(src))
     bad = src / "cat" / "007.bin"
     data = bytearray(bad.read_bytes())
-    data[0] ^= 0xFF  # the same size: only the digest tells
+    data[0] ^= 0xFF  # the same size and mtime: only the digest tells
+    before = bad.stat()
     bad.write_bytes(bytes(data))
+    os.utime(bad, ns=(before.st_atime_ns, before.st_mtime_ns))
     ds = sl.stage(str(src), root=str(root), wait=False, workers=1)
     try:
         with pytest.raises(sl.StagerFailedError, match=r"cat/007\.bin.*does not match the source manifest"):

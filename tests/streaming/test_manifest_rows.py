@@ -1,0 +1,119 @@
+"""A streaming stage takes its rows from the source manifest and checks them against a listing made meanwhile
+(issue 27: the answer before the walk).  Real stagers over real folders: a source as its manifest says publishes
+the version a plain stage would; one that changed since (a file added, removed, touched) fails before it
+publishes, naming the files and the fix; a published version is never called current on the manifest's word."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+import stagingloader as sl
+from stagingloader.cache.layout import DatasetDir
+from stagingloader.cache.manifest import SOURCE_MANIFEST_NAME
+from stagingloader.streaming import protocol
+from tests.support.trees import make_tree, tree_digests
+
+
+@pytest.fixture
+def src(tmp_path: Path) -> Path:
+    """Files of many sizes, a deeper folder, an empty file, one above the large-file threshold; with a manifest."""
+    tree = make_tree(tmp_path / "src", {f"{c}/{i:03d}.bin": 700 + 4099 * i for c in ("cat", "dog") for i in range(25)}
+                     | {"deep/a/b/c.bin": 5000, "empty.bin": 0, "big/blob.bin": 40 << 20})
+    sl.write_manifest(str(tree))
+    return tree
+
+
+def _files_of(src: Path) -> dict[str, str]:
+    """The source's files and digests, its manifest left out (never staged)."""
+    return {rel: d for rel, d in tree_digests(src).items() if rel != SOURCE_MANIFEST_NAME}
+
+
+def _fails(src: Path, root: Path, *expected: str) -> str:
+    """Stream ``src``; the run must fail before it publishes, saying each of ``expected``: its error."""
+    ds = sl.stage(str(src), root=str(root), wait=False, workers=1)
+    try:
+        with pytest.raises(sl.StagerFailedError) as err:
+            ds.wait(timeout=120)
+        assert DatasetDir(ds.dataset_dir).current() is None
+        state = protocol.find_state(ds.dataset_dir, ds.version)
+        assert state is not None and state.state == "failed"
+    finally:
+        ds.release()
+    text = str(err.value)
+    assert all(e in text for e in expected), text
+    return text
+
+
+def test_rows_from_the_manifest_publish_what_a_plain_stage_does(src: Path, root: Path, tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="stagingloader"):
+        ds = sl.stage(str(src), root=str(root), wait=False)
+    try:
+        assert "rows from the manifest of" in caplog.text and ds.streaming and len(ds.files) == 53
+        done = ds.wait(timeout=120)  # published only once the listing made meanwhile matched the rows
+        assert sl.verify(done).ok and tree_digests(done.root) == _files_of(src)
+    finally:
+        ds.release()
+    plain = sl.stage(str(src), root=str(tmp_path / "plain"))
+    assert [(e.path, e.size, e.digest) for e in done.manifest] == [(e.path, e.size, e.digest) for e in plain.manifest]
+    again = sl.stage(str(src), root=str(root))  # reused by a plain stage: nothing copied again
+    assert again.version == done.version and again.report.copied_bytes == 0
+
+
+def test_a_file_added_since_the_manifest_fails_the_run_and_a_new_manifest_resumes_it(src: Path, root: Path) -> None:
+    (src / "dog" / "new.bin").write_bytes(os.urandom(3000))
+    _fails(src, root, "1 added (dog/new.bin)", "stagingloader manifest", "publishes nothing")
+    sl.write_manifest(str(src))
+    ds = sl.stage(str(src), root=str(root), wait=False)
+    try:
+        done = ds.wait(timeout=120)
+        assert "dog/new.bin" in done.files and tree_digests(done.root) == _files_of(src)
+    finally:
+        ds.release()
+
+
+def test_a_file_removed_since_the_manifest_fails_the_run(src: Path, root: Path) -> None:
+    (src / "cat" / "003.bin").unlink()
+    _fails(src, root, "cat/003.bin")  # gone when its copy opens it, or removed in the listing: whichever is first
+
+
+def test_a_file_only_touched_since_the_manifest_fails_the_run(src: Path, root: Path) -> None:
+    """Its bytes still match their digest, so only the listing tells: the published version's mtimes would be
+    the manifest's, not the source's."""
+    touched = src / "cat" / "005.bin"
+    st = touched.stat()
+    os.utime(touched, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    _fails(src, root, "1 changed in size or mtime (cat/005.bin)")
+
+
+def test_a_published_version_is_current_only_when_the_source_is_listed(src: Path, root: Path) -> None:
+    """The manifest's rows match the published version, but a file was added since: the run lists the source and
+    stages it, as without a manifest."""
+    sl.stage(str(src), root=str(root))
+    (src / "late.bin").write_bytes(os.urandom(9000))
+    ds = sl.stage(str(src), root=str(root), wait=False)
+    try:
+        done = ds.wait(timeout=120)
+        assert "late.bin" in done.files and tree_digests(done.root) == _files_of(src)
+    finally:
+        ds.release()
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["stage", "stream"])
+def test_files_added_after_the_manifest_past_its_last_row_are_staged(src: Path, root: Path, wait: bool) -> None:
+    """A listed file's row is the hint where its digest is in the manifest; a file added since, sorting after every
+    row of the manifest, has a row past its end (an IndexError that failed the stage before)."""
+    sl.stage(str(src), root=str(root))
+    for name in ("zz/last.bin", "zz/later.bin"):
+        (src / name).parent.mkdir(exist_ok=True)
+        (src / name).write_bytes(os.urandom(5000))
+    ds = sl.stage(str(src), root=str(root), wait=wait)
+    try:
+        done = ds.wait(timeout=120)
+        assert {"zz/last.bin", "zz/later.bin"} <= set(done.files) and tree_digests(done.root) == _files_of(src)
+    finally:
+        ds.release()
