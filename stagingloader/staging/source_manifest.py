@@ -83,11 +83,20 @@ def write_source_manifest(src: str, dest: str | None = None, *, storage_options:
             with lock:
                 callback.relative_update(n)
 
+    files_done = getattr(callback, "file_done", None)  #: the command's progress counts files too
+    hashed = 0
+
     def one(f: SourceFile) -> Entry:
+        nonlocal hashed
         buf = getattr(local, "buf", None)
         if buf is None:
             buf = local.buf = bytearray(dg.CHUNK)
-        return hash_source_file(source, f, buf, on_bytes)
+        entry = hash_source_file(source, f, buf, on_bytes)
+        if files_done is not None:
+            with lock:
+                hashed += 1
+                files_done(hashed)
+        return entry
 
     n = workers or (8 if source.is_local else 32)
     with ThreadPoolExecutor(n, thread_name_prefix="stagingloader-manifest") as pool:

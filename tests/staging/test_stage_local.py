@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import stat
@@ -130,6 +131,16 @@ def test_verify_full_rehashes_on_stage(src: Path, root: Path) -> None:
     full = sl.stage(str(src), root=str(root), verify="full")
     assert full.report is not None and full.report.reasons == {"corrupt": 1}
     assert (full.root / "dog" / "010.bin").read_bytes() == (src / "dog" / "010.bin").read_bytes()
+
+
+def test_the_manifest_command_counts_files_as_it_hashes(src: Path) -> None:
+    """Its progress line said "0 files" throughout a 1.28 M-file manifest."""
+    from stagingloader.cli.progress import StageProgress
+
+    files = len(tree_digests(src))
+    progress = StageProgress("none", "hashing", io.StringIO())
+    _, m = sl.write_manifest(str(src), callback=progress, workers=3)
+    assert progress.files == len(m) == files > 1
 
 
 def test_source_manifest_checks_end_to_end(src: Path, root: Path) -> None:
