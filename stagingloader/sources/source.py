@@ -306,6 +306,10 @@ class Source:
         self._manifest = self._read_manifest()
         return self._manifest
 
+    def use_manifest(self, manifest: Manifest) -> None:
+        """Take ``manifest`` as the source's (read already, with the checks its use needed)."""
+        self._manifest = manifest
+
     def _read_manifest(self) -> Manifest | None:
         path = f"{self.base}/{SOURCE_MANIFEST_NAME}" if self.base else SOURCE_MANIFEST_NAME
         if self.is_local:

@@ -19,15 +19,20 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import multiprocessing
 import os
+import re
 import signal
+import stat
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..cache.manifest import SOURCE_MANIFEST_NAME
+from ..cache.columns import StrColumn
+from ..cache.manifest import SOURCE_MANIFEST_NAME, Manifest
 from ..cache.tiers import mount_of
 from ..errors import SourceChangedError, SourceError
 from ..sources.listing import Listing
@@ -38,19 +43,55 @@ if TYPE_CHECKING:
     from ..sources.source import Source
     from .stager import StageOptions
 
+log = logging.getLogger(__name__)
+
 NAMED = 5  #: files named per kind of difference in the message
 
 
-def rows_from_manifest(source: Source, opts: StageOptions) -> Listing | None:
+def rows_from_manifest(source: Source, opts: StageOptions, say: Callable[[str], None]) -> Listing | None:
     """The run's listing from the source's manifest, selected and sharded as a listing would be; None where the
-    source is no local folder or has no manifest (then it is listed first, as always)."""
+    source is no local folder, has no manifest, or one this process may not take its paths from (then it is
+    listed first, as always, and the manifest gives digests only).
+
+    Only a manifest of this process's own user gives paths: the rows are what it reads, and a file is renamed
+    into place only when its digest is the manifest's, so a manifest nobody else could have written is what makes
+    the bytes served before the listing comes right.  Another user's manifest (a shared folder, a replaced file)
+    and one whose paths leave the source (``..``, ``/``) are not used for rows."""
     if not source.is_folder:
         return None
-    m = source.read_manifest()
-    if m is None or not len(m) or not m.sorted_by_bytes:
+    path = f"{source.base}/{SOURCE_MANIFEST_NAME}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:  # none, a link, unreadable: the stage says what it must, as without rows from it
         return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            say(f"{path} is not a file of this user: its digests are checked, its paths not taken as rows")
+            return None
+        with os.fdopen(os.dup(fd), "rb") as f:
+            m = Manifest.parse(f.read(), path)
+    finally:
+        os.close(fd)
+    if not len(m) or not m.sorted_by_bytes or not plain_paths(m.path):
+        say(f"{path} does not list plain relative paths in order: its paths are not taken as rows")
+        return None
+    source.use_manifest(m)  # the digests every copy is checked against are this manifest's
     listing = Listing(m.path, m.size, m.mtime_ns)
     return Listing.of(take_shard(source.selected(listing, opts.include, opts.exclude), opts.shard))
+
+
+_NOT_PLAIN = re.compile(rb"(?:^|\x00)/|(?:^|\x00|/)\.{1,2}(?:/|\x00|$)|//|/(?:\x00|$)")
+
+
+def plain_paths(paths: StrColumn) -> bool:
+    """Is every path relative, without empty, ``.`` or ``..`` parts (a path a listing of the folder could give)?
+    One search over the paths joined by NULs, no Python object per row."""
+    blob = bytes(paths.blob)
+    if not len(paths) or b"\x00" in blob or bool(np.any(np.diff(paths.offsets) == 0)):
+        return False
+    joined = np.insert(np.frombuffer(blob, dtype=np.uint8), paths.offsets[1:-1], 0).tobytes()
+    return _NOT_PLAIN.search(joined) is None
 
 
 class ListingCheck:
@@ -142,4 +183,4 @@ def differences(real: Listing, rows: Listing) -> str:
     return "; ".join(parts) or "the manifest lists its files out of order"
 
 
-__all__ = ["ListingCheck", "differences", "rows_from_manifest", "same_files"]
+__all__ = ["ListingCheck", "differences", "plain_paths", "rows_from_manifest", "same_files"]

@@ -214,7 +214,7 @@ def open_run(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = No
     check = None
     try:
         if listing is None and from_manifest and not dry_run:
-            listing = rows_from_manifest(source, opts)
+            listing = rows_from_manifest(source, opts, say)
             if listing is not None:
                 check = ListingCheck(source, opts, listing)
                 say(f"rows from the manifest of {source.url} ({len(listing)} files); the source is listed "

@@ -117,3 +117,60 @@ def test_files_added_after_the_manifest_past_its_last_row_are_staged(src: Path, 
         assert {"zz/last.bin", "zz/later.bin"} <= set(done.files) and tree_digests(done.root) == _files_of(src)
     finally:
         ds.release()
+
+
+def _streamed_from_manifest(src: Path, root: Path, caplog: pytest.LogCaptureFixture) -> tuple[bool, sl.StagedDataset]:
+    """Stream ``src`` to the end: did the rows come from its manifest, and the published dataset."""
+    with caplog.at_level(logging.INFO, logger="stagingloader"):
+        ds = sl.stage(str(src), root=str(root), wait=False)
+    try:
+        return "rows from the manifest of" in caplog.text, ds.wait(timeout=120)
+    finally:
+        ds.release()
+
+
+@pytest.mark.root
+def test_another_users_manifest_gives_digests_but_never_paths(src: Path, root: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A manifest this user did not write (a shared folder, a file replaced) names what would be read before any
+    listing: only the user's own is taken for rows; another's still checks the bytes, as it always did."""
+    manifest = src / SOURCE_MANIFEST_NAME
+    os.chown(manifest, 65534, 65534)
+    from_manifest, done = _streamed_from_manifest(src, root, caplog)
+    assert not from_manifest and tree_digests(done.root) == _files_of(src)
+    victim = src / "dog" / "004.bin"  # the digests still hold: same size and mtime, other bytes
+    st = victim.stat()
+    victim.write_bytes(b"Z" * st.st_size)
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(sl.VerificationError, match=r"dog/004\.bin"):
+        sl.stage(str(src), root=str(root.parent / "again"))
+
+
+def test_a_manifest_whose_paths_leave_the_source_is_not_read_for_rows(src: Path, root: Path, tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    from stagingloader.cache.manifest import Entry, Manifest
+    from stagingloader.digest import digest_bytes
+    from stagingloader.fsio import atomic_write
+
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"not part of the dataset")
+    st = secret.stat()
+    rows = [Entry(rel, p.stat().st_size, p.stat().st_mtime_ns, "", digest_bytes(p.read_bytes()))
+            for rel, p in ((str(p.relative_to(src)), p) for p in src.rglob("*.bin"))]
+    rows.append(Entry("../secret.bin", st.st_size, st.st_mtime_ns, "", digest_bytes(secret.read_bytes())))
+    atomic_write(src / SOURCE_MANIFEST_NAME, Manifest.from_entries(str(src), rows).to_json())
+    from_manifest, done = _streamed_from_manifest(src, root, caplog)
+    assert not from_manifest and "does not list plain relative paths" in caplog.text
+    assert "../secret.bin" not in done.files and tree_digests(done.root) == _files_of(src)
+
+
+@pytest.mark.parametrize(("paths", "plain"), [
+    (["a.bin", "b/c.bin", "d/e/f", "..a", "a..b", ".hidden/x"], True),
+    (["../x"], False), (["a/../b"], False), (["/etc/passwd"], False), (["a//b"], False), (["a/"], False),
+    (["./a"], False), (["a/."], False), (["a", ".."], False), (["a", ""], False), (["a\x00b"], False),
+])
+def test_plain_paths(paths: list[str], plain: bool) -> None:
+    from stagingloader.cache.columns import StrColumn
+    from stagingloader.staging.manifest_rows import plain_paths
+
+    assert plain_paths(StrColumn.from_strs(paths)) is plain
