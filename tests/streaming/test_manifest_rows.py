@@ -165,7 +165,8 @@ def test_a_manifest_whose_paths_leave_the_source_is_not_read_for_rows(src: Path,
 
 
 @pytest.mark.parametrize(("paths", "plain"), [
-    (["a.bin", "b/c.bin", "d/e/f", "..a", "a..b", ".hidden/x"], True),
+    (["a.bin", "b/c.bin", "d/e/f", "..a", "a..b", ".hidden/x", "a/..b", ".../x", "x/.y", "z"], True),
+    (["."], False), ([".."], False), (["x/.."], False), (["a/./b"], False), (["b", "c/"], False),
     (["../x"], False), (["a/../b"], False), (["/etc/passwd"], False), (["a//b"], False), (["a/"], False),
     (["./a"], False), (["a/."], False), (["a", ".."], False), (["a", ""], False), (["a\x00b"], False),
 ])
