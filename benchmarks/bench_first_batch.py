@@ -16,6 +16,7 @@ measured process, and times the parts on their own: the listing (a stat walk), t
     python benchmarks/bench_first_batch.py                     # 200,000 and 1,281,167 files
     python benchmarks/bench_first_batch.py --quick             # 20,000 files (a minute)
     python benchmarks/bench_first_batch.py --files 200000 --profile
+    python benchmarks/bench_first_batch.py --files 1281167 --manifest --binary-manifest   # the manifest's version 2
     python benchmarks/bench_first_batch.py --baseline /var/tmp/sl27-base   # against an older tree, same run
                                                   # (git archive <commit> | tar -x -C /var/tmp/sl27-base)
 
@@ -192,6 +193,13 @@ def measure(src: Path, root_base: Path, n: int, profile: bool, code: Path, idle:
     return res
 
 
+def _is_binary(manifest: Path) -> bool:
+    """Is the source manifest version 2 (a JSON header line, then binary columns)?"""
+    with open(manifest, "rb") as f:
+        head = f.read(4096).split(b"\n", 1)[0]
+    return b'"version":2' in head.replace(b" ", b"")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--files", type=int, nargs="+", default=[200_000, IMAGENET])
@@ -199,6 +207,8 @@ def main() -> int:
     ap.add_argument("--base", default="/var/tmp/sl-bench-first-batch", help="where source trees live (not tmpfs)")
     ap.add_argument("--root", default=None, help="where the staged roots go (default: under --base)")
     ap.add_argument("--manifest", action="store_true", help="also measure with a source manifest")
+    ap.add_argument("--binary-manifest", action="store_true",
+                    help="... written with `stagingloader manifest --binary` (version 2's columns)")
     ap.add_argument("--profile", action="store_true", help="cProfile one measured process; time the parts")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--idle-load", type=float, default=1.0, help="before each run, wait for the 1-min load under this")
@@ -225,8 +235,9 @@ def main() -> int:
             shutil.rmtree(root_base / f"parts-{n}", ignore_errors=True)
         for with_manifest in ([False, True] if args.manifest else [False]):
             mpath = src / ".stagingloader-manifest.json"
-            if with_manifest and not mpath.exists():
-                subprocess.run([sys.executable, "-m", "stagingloader", "manifest", str(src)], check=True,
+            if with_manifest and (not mpath.exists() or _is_binary(mpath) != args.binary_manifest):
+                subprocess.run([sys.executable, "-m", "stagingloader", "manifest", str(src),
+                                *(["--binary"] if args.binary_manifest else [])], check=True,
                                env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
                                stdout=subprocess.DEVNULL)
             aside = src.with_name(src.name + ".manifest-aside")  # out of the tree: it would be listed

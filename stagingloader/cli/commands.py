@@ -346,7 +346,7 @@ def cmd_manifest(args: argparse.Namespace) -> Result:
     t0 = time.perf_counter()
     try:
         where, m = write_source_manifest(args.src, args.output, storage_options=args.storage_options,
-                                         workers=args.workers, callback=progress)
+                                         workers=args.workers, callback=progress, binary=args.binary)
     finally:
         progress.close()
     seconds = time.perf_counter() - t0

@@ -323,14 +323,15 @@ class Source:
             return None
         return Manifest.parse(raw, path)
 
-    def write_manifest(self, manifest: Manifest, dest: str | None = None) -> str:
+    def write_manifest(self, manifest: Manifest, dest: str | None = None, *, binary: bool = False) -> str:
+        """Write the source's manifest (``binary``: version 2's columns, else version 1's plain JSON)."""
         from ..fsio import atomic_write
 
         target = dest or (f"{self.base}/{SOURCE_MANIFEST_NAME}" if self.base else SOURCE_MANIFEST_NAME)
+        data = manifest.to_bytes() if binary else manifest.to_json()
         if self.is_local or (dest is not None and "://" not in dest):
-            atomic_write(target, manifest.to_json())
+            atomic_write(target, data)
         else:
-            data = manifest.to_json()
             call_with_retry(lambda: self.fs.pipe_file(target, data), target, self.retry)
         return target
 

@@ -70,7 +70,8 @@ def _hash_local(path: str, f: SourceFile, buf: bytearray, on_bytes: Any) -> Entr
 
 
 def write_source_manifest(src: str, dest: str | None = None, *, storage_options: dict[str, Any] | None = None,
-                          workers: int | None = None, callback: Any = None) -> tuple[str, Manifest]:
+                          workers: int | None = None, callback: Any = None, binary: bool = False
+                          ) -> tuple[str, Manifest]:
     source = Source(src, storage_options)
     listing = source.listing()
     if callback is not None:
@@ -102,4 +103,4 @@ def write_source_manifest(src: str, dest: str | None = None, *, storage_options:
     with ThreadPoolExecutor(n, thread_name_prefix="stagingloader-manifest") as pool:
         entries = list(pool.map(one, listing))
     manifest = Manifest.from_entries(source.url, entries)
-    return source.write_manifest(manifest, dest), manifest
+    return source.write_manifest(manifest, dest, binary=binary), manifest

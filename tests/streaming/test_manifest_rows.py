@@ -5,8 +5,11 @@ publishes, naming the files and the fix; a published version is never called cur
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,3 +178,25 @@ def test_plain_paths(paths: list[str], plain: bool) -> None:
     from stagingloader.staging.manifest_rows import plain_paths
 
     assert plain_paths(StrColumn.from_strs(paths)) is plain
+
+
+def test_a_binary_manifest_gives_rows_and_checks_every_byte(src: Path, root: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """`stagingloader manifest SRC --binary`: version 2's columns (read in milliseconds), the same rows and checks."""
+    out = subprocess.run([sys.executable, "-m", "stagingloader", "manifest", str(src), "--binary", "--json"],
+                         capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["files"] == len(_files_of(src))
+    header = json.loads((src / SOURCE_MANIFEST_NAME).read_bytes().split(b"\n", 1)[0])
+    assert header["version"] == 2 and header["files"] == len(_files_of(src))
+    from_manifest, done = _streamed_from_manifest(src, root, caplog)
+    assert from_manifest and tree_digests(done.root) == _files_of(src)
+    victim = src / "cat" / "011.bin"  # same size and mtime, other bytes: only the digest tells
+    st = victim.stat()
+    victim.write_bytes(b"Q" * st.st_size)
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    ds = sl.stage(str(src), root=str(root.parent / "again"), wait=False)
+    try:
+        with pytest.raises(sl.StagerFailedError, match=r"cat/011\.bin.*does not match the source manifest"):
+            ds.wait(timeout=120)
+    finally:
+        ds.release()
