@@ -28,6 +28,7 @@ job's epilog releases it with the job's own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -52,6 +53,7 @@ from ..errors import InternalError, NoSpaceError, SourceChangedError, StagingErr
 from ..sources.listing import Listing
 from ..sources.source import SourceFile
 from ..staging.result import StagedDataset
+from ..staging.sharding import take_shard
 from ..staging.stager import (
     LockedPlan,
     StageOptions,
@@ -145,7 +147,9 @@ def _stream_locked(run: StageRun, identity: str, req: StreamRequest, *, tell: Ca
         own_folder(run)
         lp = plan_locked(run, identity)
         if lp.plan.up_to_date and not _rows_hold(run):  # a version is published: answer only from the source
-            run, identity = open_run(req.src, req.opts, env=env, on_event=run.say, verb="streaming")
+            opts = req.opts
+            listed = Listing.of(take_shard(run.source.listing(opts.include, opts.exclude), opts.shard))
+            run = dataclasses.replace(run, listing=listed, check=None)
             lp = plan_locked(run, identity)
         if lp.plan.up_to_date:
             version, manifest = keep_published(run, lp)
