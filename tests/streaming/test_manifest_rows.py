@@ -35,6 +35,15 @@ def _files_of(src: Path) -> dict[str, str]:
     return {rel: d for rel, d in tree_digests(src).items() if rel != SOURCE_MANIFEST_NAME}
 
 
+def _stream_to_end(src: Path, root: Path) -> sl.StagedDataset:
+    """Stream ``src`` into ``root`` and wait for the version it publishes."""
+    ds = sl.stage(str(src), root=str(root), wait=False)
+    try:
+        return ds.wait(timeout=120)
+    finally:
+        ds.release()
+
+
 def _fails(src: Path, root: Path, *expected: str) -> str:
     """Stream ``src``; the run must fail before it publishes, saying each of ``expected``: its error."""
     ds = sl.stage(str(src), root=str(root), wait=False, workers=1)
@@ -71,12 +80,8 @@ def test_a_file_added_since_the_manifest_fails_the_run_and_a_new_manifest_resume
     (src / "dog" / "new.bin").write_bytes(os.urandom(3000))
     _fails(src, root, "1 added (dog/new.bin)", "stagingloader manifest", "publishes nothing")
     sl.write_manifest(str(src))
-    ds = sl.stage(str(src), root=str(root), wait=False)
-    try:
-        done = ds.wait(timeout=120)
-        assert "dog/new.bin" in done.files and tree_digests(done.root) == _files_of(src)
-    finally:
-        ds.release()
+    done = _stream_to_end(src, root)
+    assert "dog/new.bin" in done.files and tree_digests(done.root) == _files_of(src)
 
 
 def test_a_file_removed_since_the_manifest_fails_the_run(src: Path, root: Path) -> None:
@@ -98,12 +103,8 @@ def test_a_published_version_is_current_only_when_the_source_is_listed(src: Path
     stages it, as without a manifest."""
     sl.stage(str(src), root=str(root))
     (src / "late.bin").write_bytes(os.urandom(9000))
-    ds = sl.stage(str(src), root=str(root), wait=False)
-    try:
-        done = ds.wait(timeout=120)
-        assert "late.bin" in done.files and tree_digests(done.root) == _files_of(src)
-    finally:
-        ds.release()
+    done = _stream_to_end(src, root)
+    assert "late.bin" in done.files and tree_digests(done.root) == _files_of(src)
 
 
 @pytest.mark.parametrize("wait", [True, False], ids=["stage", "stream"])
@@ -125,11 +126,8 @@ def test_files_added_after_the_manifest_past_its_last_row_are_staged(src: Path, 
 def _streamed_from_manifest(src: Path, root: Path, caplog: pytest.LogCaptureFixture) -> tuple[bool, sl.StagedDataset]:
     """Stream ``src`` to the end: did the rows come from its manifest, and the published dataset."""
     with caplog.at_level(logging.INFO, logger="stagingloader"):
-        ds = sl.stage(str(src), root=str(root), wait=False)
-    try:
-        return "rows from the manifest of" in caplog.text, ds.wait(timeout=120)
-    finally:
-        ds.release()
+        done = _stream_to_end(src, root)
+    return "rows from the manifest of" in caplog.text, done
 
 
 @pytest.mark.root
