@@ -221,7 +221,8 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
             os.close(fd)
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
+    """End this process with ``parent`` (SIGKILL when it dies, whatever ends it); at once if it already has."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -239,7 +240,7 @@ def main(conn: Connection) -> None:
         target, parent = conn.recv()
     except (EOFError, OSError):
         return
-    _die_with_parent(parent)
+    die_with_parent(parent)
     inbox = _Inbox(conn)
     worker = Worker(target, inbox)
     try:

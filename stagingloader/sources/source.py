@@ -161,12 +161,13 @@ class Source:
         return f"{self.base}/{rel}" if self.base else rel
 
     # ---- listing ---------------------------------------------------------------------------
-    def listing(self, include: Sequence[str] = (), exclude: Sequence[str] = (), *, for_others: bool = False
-                ) -> Listing:
+    def listing(self, include: Sequence[str] = (), exclude: Sequence[str] = (), *, for_others: bool = False,
+                workers: int | None = None) -> Listing:
         """List the source into columns, sorted by relative path. Raises SourceError naming what is wrong.
         ``for_others`` (a local source only): refused, naming the first path, unless every user may read the source
-        folder and all in it (:class:`~.listing.NotForOthersError`), checked on the listing's own ``stat`` calls."""
-        files = self._list_local(for_others) if self.is_local else Listing.from_files(
+        folder and all in it (:class:`~.listing.NotForOthersError`), checked on the listing's own ``stat`` calls.
+        ``workers``: processes that walk a local folder (default: one per core, at most 8)."""
+        files = self._list_local(for_others, workers) if self.is_local else Listing.from_files(
             f for f in self._list_remote() if f.rel != SOURCE_MANIFEST_NAME)
         return self.selected(files, include, exclude)
 
@@ -185,7 +186,7 @@ class Source:
         """A local folder named as it is (no glob pattern, no single file)."""
         return self.is_local and not self.pattern and not self._single and os.path.isdir(self.base)
 
-    def _list_local(self, for_others: bool = False) -> Listing:
+    def _list_local(self, for_others: bool = False, workers: int | None = None) -> Listing:
         out = ListingBuilder(for_others=for_others)
         if self.pattern:
             import glob
@@ -221,7 +222,7 @@ class Source:
             out.add(os.fsencode(os.path.basename(self.base)), st)
             return out.listing()
         return list_tree(self.base, skip_top=os.fsencode(SOURCE_MANIFEST_NAME), for_others=for_others,
-                         threads=listing_threads(mount))
+                         threads=listing_threads(mount), workers=workers)
 
     def _list_remote(self) -> list[SourceFile]:
         def listing() -> dict[str, dict[str, Any]]:

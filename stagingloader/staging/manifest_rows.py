@@ -11,15 +11,14 @@ own (:class:`ListingCheck`), then compared with the rows:
   publishes, naming the files and the fix.  What was copied stays for the next run, which resumes.
 
 No wrong byte can be served meanwhile: every file is hashed as it is copied and renamed into place only when its
-digest is the manifest's, and a file whose size or mtime moved since fails its identity check when it is opened.
-Rows from a manifest carry no inode, so that check is of size and mtime alone until the listing has come.
+digest is the manifest's.  A file only touched since (same bytes, a new mtime) is copied, and the listing's
+verdict fails the run before the version is published.  Rows from a manifest carry no inode, so the copy's
+same-inode check (:func:`~..sources.stable.open_listed`) does not apply to them; the digest does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import logging
 import multiprocessing
 import os
 import signal
@@ -32,17 +31,14 @@ import numpy as np
 
 from ..cache.columns import StrColumn
 from ..cache.manifest import SOURCE_MANIFEST_NAME, Manifest
-from ..cache.tiers import mount_of
+from ..engine.workerpool import die_with_parent
 from ..errors import SourceChangedError, SourceError
 from ..sources.listing import Listing
-from ..sources.scanning import list_tree, listing_threads
-from .sharding import take_shard
+from .sharding import node_listing, take_shard
 
 if TYPE_CHECKING:
     from ..sources.source import Source
     from .stager import StageOptions
-
-log = logging.getLogger(__name__)
 
 NAMED = 5  #: files named per kind of difference in the message
 
@@ -72,10 +68,10 @@ def rows_from_manifest(source: Source, opts: StageOptions, say: Callable[[str], 
             m = Manifest.parse(f.read(), path)
     finally:
         os.close(fd)
+    source.use_manifest(m)  # the digests every copy is checked against: this manifest's, read once
     if not len(m) or not m.sorted_by_bytes or not plain_paths(m.path):
         say(f"{path} does not list plain relative paths in order: its paths are not taken as rows")
         return None
-    source.use_manifest(m)  # the digests every copy is checked against are this manifest's
     listing = Listing(m.path, m.size, m.mtime_ns)
     return Listing.of(take_shard(source.selected(listing, opts.include, opts.exclude), opts.shard))
 
@@ -160,16 +156,12 @@ class ListingCheck:
 
 def _check(conn: Connection, source: Source, opts: StageOptions, rows: Listing, parent: int) -> None:
     """In the forked process: list, select, shard, compare; send ("same" | "changed" | "error", text)."""
-    with contextlib.suppress(OSError, AttributeError):  # die with the stager, whatever ends it
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(1)
+    die_with_parent(parent)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     try:
-        listed = list_tree(source.base, skip_top=os.fsencode(SOURCE_MANIFEST_NAME), workers=1,
-                           threads=listing_threads(mount_of(source.base)))
-        real = Listing.of(take_shard(source.selected(listed, opts.include, opts.exclude), opts.shard))
+        # one walking process (a fork of the stager beside the first batch; it may start no pool of its own)
+        real = node_listing(source, opts.include, opts.exclude, opts.shard, workers=1)
         conn.send(("same", "") if same_files(real, rows) else ("changed", differences(real, rows)))
     except BaseException as e:  # said by the stager, as its own error
         with contextlib.suppress(OSError):

@@ -11,13 +11,22 @@ stager and the loader agree without exchanging a plan.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from ..cache.columns import encode
 from ..errors import UsageError
 from ..sources.listing import Listing
 
+if TYPE_CHECKING:
+    from ..sources.source import Source
+
 T = TypeVar("T")
+
+
+def node_listing(source: Source, include: Sequence[str], exclude: Sequence[str], shard: tuple[int, int] | None,
+                 *, workers: int | None = None) -> Listing:
+    """The source listed, selected by ``include``/``exclude``, and this node's shard of it: what a run stages."""
+    return Listing.of(take_shard(source.listing(include, exclude, workers=workers), shard))
 
 
 def take_shard(items: Sequence[T], shard: tuple[int, int] | None) -> Sequence[T]:

@@ -43,7 +43,7 @@ from ..units import human_bytes, parse_bytes
 from .copyplan import CORRUPT, CopyPlan, make_plan
 from .manifest_rows import ListingCheck, rows_from_manifest
 from .result import StagedDataset, StageReport
-from .sharding import take_shard
+from .sharding import node_listing
 from .verify import check_fast, check_full
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ def open_run(src: str, opts: StageOptions, *, env: Mapping[str, str] | None = No
                 say(f"rows from the manifest of {source.url} ({len(listing)} files); the source is listed "
                     "meanwhile and checked against them before the version is published")
         if listing is None:
-            listing = Listing.of(take_shard(source.listing(opts.include, opts.exclude), opts.shard))
+            listing = node_listing(source, opts.include, opts.exclude, opts.shard)
     except BaseException:
         if early is not None:
             early.close()

@@ -53,7 +53,7 @@ from ..errors import InternalError, NoSpaceError, SourceChangedError, StagingErr
 from ..sources.listing import Listing
 from ..sources.source import SourceFile
 from ..staging.result import StagedDataset
-from ..staging.sharding import take_shard
+from ..staging.sharding import node_listing
 from ..staging.stager import (
     LockedPlan,
     StageOptions,
@@ -148,7 +148,7 @@ def _stream_locked(run: StageRun, identity: str, req: StreamRequest, *, tell: Ca
         lp = plan_locked(run, identity)
         if lp.plan.up_to_date and not _rows_hold(run):  # a version is published: answer only from the source
             opts = req.opts
-            listed = Listing.of(take_shard(run.source.listing(opts.include, opts.exclude), opts.shard))
+            listed = node_listing(run.source, opts.include, opts.exclude, opts.shard)
             run = dataclasses.replace(run, listing=listed, check=None)
             lp = plan_locked(run, identity)
         if lp.plan.up_to_date:
