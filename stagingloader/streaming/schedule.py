@@ -32,6 +32,7 @@ MIN_WINDOW = 8
 WINDOW_SECONDS = 2.0
 SCAN = 4096
 RATE_SECONDS = 1.0  #: the time constant of the measured rates
+LEAD_ROWS = 2048  #: before any reader has moved, rows this far ahead of the readers count as needed soon
 PIN_SECONDS = 10.0  #: how long a row copied for an urgent request stays, unless its reader's position passes it
 
 
@@ -89,6 +90,7 @@ class Schedule:
         now = time.monotonic() if clock is None else clock
         self.read_rate = _Rate(now)   #: rows per second per reader
         self.copy_rate = _Rate(now)   #: rows per second
+        self.lead = 0.0  #: seconds before a reader needs the row next() gave last (inf: none will; 0: one waits)
 
     # ---- what the readers say ------------------------------------------------------------------------------
     def set_order(self, reader: str, rows: Rows) -> None:
@@ -198,18 +200,31 @@ class Schedule:
             if room is None:
                 return None
             self.urgent.popleft()
+            self.lead = 0.0
             return self._take(Pick(row, room, urgent=True))
         wanted = self._next_in_order()
         if wanted is not None:
             room = self._make_room(wanted, beat=int(self.rank[wanted]))
-            return None if room is None else self._take(Pick(wanted, room))
+            if room is None:
+                return None
+            self.lead = self._lead(self._ptr)
+            return self._take(Pick(wanted, room))
         if self.limit is not None and self.orders:
             return None  # the rest is read by no one: not worth a byte of the cache
         rest = self._next_in_listing()
         if rest is None:
             return None
         room = self._make_room(rest, beat=NEVER)
+        self.lead = float("inf")
         return None if room is None else self._take(Pick(rest, room))
+
+    def _lead(self, place: int) -> float:
+        """Seconds before the readers reach ``place`` in their merged order, at their measured rate (0 before they
+        have one, for the first LEAD_ROWS rows of each)."""
+        rows = place / max(1, len(self.orders))
+        if self.read_rate.value > 0:
+            return rows / self.read_rate.value
+        return float("inf") if rows >= LEAD_ROWS else 0.0
 
     def _take(self, pick: Pick) -> Pick:
         self.inflight[pick.row] = True
@@ -225,11 +240,16 @@ class Schedule:
         self.rank[self.merged] = np.arange(len(self.merged), dtype=np.int64)
         self._ptr = 0
 
+    def _busy(self, rows: Rows | slice) -> npt.NDArray[np.bool_]:
+        """Whether ``rows`` are ready, in flight or another node's: only those rows looked at, so a pick costs the
+        same at 1.28 M rows as at 20,000 (the whole table, or-ed per pick, took 0.3 ms there)."""
+        return self.ready[rows] | self.inflight[rows] | self.elsewhere[rows]
+
     def _next_in_order(self) -> int | None:
-        merged, busy = self.merged, self.ready | self.inflight | self.elsewhere
+        merged = self.merged
         while self._ptr < len(merged):
             chunk = merged[self._ptr:self._ptr + SCAN]
-            free = np.flatnonzero(~busy[chunk])
+            free = np.flatnonzero(~self._busy(chunk))
             if len(free):
                 self._ptr += int(free[0])
                 return int(chunk[free[0]])
@@ -237,10 +257,9 @@ class Schedule:
         return None
 
     def _next_in_listing(self) -> int | None:
-        busy = self.ready | self.inflight | self.elsewhere
-        n = len(busy)
+        n = len(self.ready)
         while self._tail < n:
-            free = np.flatnonzero(~busy[self._tail:self._tail + SCAN])
+            free = np.flatnonzero(~self._busy(slice(self._tail, self._tail + SCAN)))
             if len(free):
                 return self._tail + int(free[0])
             self._tail += SCAN

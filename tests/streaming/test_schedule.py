@@ -136,3 +136,39 @@ def test_rows_another_node_brings_are_never_picked_until_released() -> None:
     assert not s.finished and s.next() is None  # 1 still comes from a node in
     s.done([1])
     assert s.finished
+
+
+def test_the_lead_says_how_soon_a_reader_needs_the_row_just_picked() -> None:
+    """What lets the copier batch a file: seconds before a reader reaches it (urgent: 0; no reader's: never)."""
+    s = Schedule([1] * 10_000, clock=0.0)
+    assert s.next() is not None and s.lead == float("inf")  # no reader has an order: no one waits
+    s.set_order("r0-1", np.arange(10_000, dtype=np.int64))
+    first = s.next()
+    assert first is not None and first.row == 1 and s.lead == 0.0  # before the reader moves: its first rows are soon
+    s.done(range(0, 3000))
+    far = s.next()  # beyond LEAD_ROWS rows ahead of a reader that has not moved yet
+    assert far is not None and far.row == 3000 and s.lead == float("inf")
+    for t in range(1, 21):  # the reader reads 100 rows a second
+        s.set_position("r0-1", 10 * t, clock=t / 10)
+    pick = s.next()
+    assert pick is not None and pick.row == 3001
+    assert 25 < s.lead < 33  # 2,991 rows ahead of its position (200), at 100 rows a second
+    s.add_urgent("r0-1", np.array([9000], dtype=np.int64))
+    urgent = s.next()
+    assert urgent is not None and urgent.urgent and s.lead == 0.0
+
+
+def test_picks_at_imagenet_size_skip_rows_ready_in_flight_or_another_nodes() -> None:
+    """A pick looks at the flags of the rows it scans only (or-ing the whole table at 1.28 M rows cost 0.3 ms a
+    file): the rows it skips are still the right ones, in the order and in the listing."""
+    n = 1_281_167
+    s = Schedule(np.full(n, 1000), clock=0.0)
+    s.set_order("r0-1", np.random.default_rng(1).permutation(n).astype(np.int64))
+    rows = [s.next().row for _ in range(3)]  # type: ignore[union-attr]
+    s.done(rows)
+    assert [s.next().row for _ in range(2)] == s.merged[3:5].tolist()  # type: ignore[union-attr]
+    s.ready[:] = True  # rows marked elsewhere come back when released
+    s.ready[[7, n - 1]] = False
+    s.expect(np.array([7], dtype=np.int64))
+    s.forget("r0-1")
+    assert s.next().row == n - 1  # type: ignore[union-attr]
