@@ -14,12 +14,14 @@ copied depends on the source:
 
 Whatever copies, the stager's process alone journals (``Incoming.record_many``), counts progress and calls
 ``on_done``.  :meth:`Copier.run` pulls files from its iterable only when a worker can take more (a few batches
-ahead), so a caller may reorder what comes next while it runs; an iterable that is not a list is pulled in a
-thread of its own (:mod:`.feed`), so it may wait for files to be done.
+ahead), so a caller may reorder what comes next while it runs: a :class:`~.feed.Polled` source (a streaming
+run's schedule) is asked in the dispatcher's thread and may say a file goes alone, at once, rather than in a
+batch; another iterable that is not a list is pulled in a thread of its own (:mod:`.feed`), so it may wait.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -27,7 +29,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -39,7 +40,7 @@ from ..cache.manifest import Entry
 from ..errors import NoSpaceError
 from ..sources.source import Source, SourceFile
 from .copyops import Buffer, EntryTuple, Item, Target, Worker, as_root_error
-from .feed import Feed, Wakeup
+from .feed import Feed, Polled, Wakeup
 from .gate import Gate
 from .incoming import Incoming
 from .largefiles import LargeFile
@@ -57,7 +58,7 @@ class CopySettings:
     range_size: int = 8 << 20  #: large files are split into ranges of this size (a multiple of the page size)
     large_threshold: int = 32 << 20  #: files above this size are copied by ranges
     fsync: bool = False
-    small_batch_files: int = 64  #: small files per job (a streaming run takes 1: no file waits for others)
+    small_batch_files: int = 64  #: small files per job (a streaming run: fewer, and 1 for a file needed soon)
     batch_bytes: int = 16 << 20  #: bytes of small files per job
     range_bytes_in_flight: int = 256 << 20  #: a remote source's large-file ranges held at once (threads' memory)
     processes: int | None = None  #: worker processes for a local source; None: the usable cores; 0: none
@@ -132,35 +133,53 @@ def _execute(worker: Worker, job: _Job) -> tuple[Any, BaseException | None]:
 
 
 class _Threads:
-    """Jobs run by a bounded thread pool (remote sources: the threads wait on the network)."""
+    """Jobs run by up to ``count`` threads (remote sources: the threads wait on the network).
+
+    The threads take jobs off one queue and put their results on another, with nothing made per job: a
+    streaming run sends one file a job, and ``ThreadPoolExecutor``'s future, lock and condition per job were a
+    tenth of its dispatcher's time (py-spy) while 128 threads wanted the interpreter's lock.  A thread rings the
+    dispatcher only when no ring is pending.  Threads are started as jobs come, one per job in flight, up to
+    ``count``."""
 
     def __init__(self, count: int, worker: Worker, wakeup: Wakeup, max_ranges: int) -> None:
         self.worker = worker
         self.wakeup = wakeup
+        self.count = count
         self.capacity = count + min(count, 4)  #: jobs in flight
         #: large-file ranges in flight, each held in memory whole: the many threads that hide an object store's
         #: latency for small objects (128 at 20 ms) would hold a GiB of 8 MiB ranges
         self.max_ranges = max(1, max_ranges)
-        self.pool = ThreadPoolExecutor(count, thread_name_prefix="stagingloader-copy")
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.results: queue.SimpleQueue[tuple[_Job, Any]] = queue.SimpleQueue()
+        self.threads: list[threading.Thread] = []
         self.in_flight = 0
         self.ranges = 0
+        self._rung = False  #: a thread rang the dispatcher since it last took the results
 
     def submit(self, job: _Job) -> None:
         self.in_flight += 1
         self.ranges += job.large is not None
-        self.pool.submit(self._run, job)
+        self.jobs.put(job)
+        if self.in_flight > len(self.threads) < self.count:  # as many threads as jobs in flight, up to count
+            t = threading.Thread(target=self._loop, name=f"stagingloader-copy-{len(self.threads)}", daemon=True)
+            self.threads.append(t)
+            t.start()
 
     def full(self, ranging: bool) -> bool:
         """No job more now (``ranging``: the next one is a range of the large file being handed out)."""
         return self.in_flight >= self.capacity or (ranging and self.ranges >= self.max_ranges)
 
-    def _run(self, job: _Job) -> None:
-        self.results.put((job, _execute(self.worker, job)))
-        self.wakeup.ring()
+    def _loop(self) -> None:
+        jobs, results, worker, ring = self.jobs, self.results, self.worker, self.wakeup.ring
+        while (job := jobs.get()) is not None:
+            results.put((job, _execute(worker, job)))
+            if not self._rung:  # else a ring since the dispatcher last looked is pending: it takes this one too
+                self._rung = True
+                ring()
 
     def poll(self) -> list[tuple[_Job, Any]]:
         out = []
+        self._rung = False  # before taking the results: one put after this rings again
         with contextlib.suppress(queue.Empty):
             while True:
                 out.append(self.results.get_nowait())
@@ -169,8 +188,16 @@ class _Threads:
         return out
 
     def close(self, *, wait: bool = True) -> None:
-        """Stop the threads: wait for their copies, or (after a stop) cancel what has not started and return."""
-        self.pool.shutdown(wait=wait, cancel_futures=not wait)
+        """Stop the threads: wait for their copies, or (after a stop) drop what has not started and return."""
+        if not wait:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    self.jobs.get_nowait()
+        for _ in self.threads:
+            self.jobs.put(None)
+        if wait:
+            for t in self.threads:
+                t.join()
 
 
 class _Processes:
@@ -245,6 +272,7 @@ class Copier:
         self._feed: Feed | None = None
         self._exhausted = False
         self._batch = _Job()
+        self._queued: collections.deque[_Job] = collections.deque()  #: jobs made and not handed out yet
         # large files with ranges not handed out yet: their ranges, and the worker they belong to (see _next_job)
         self._handing: dict[LargeFile, Iterator[tuple[int, int]]] = {}
         self._owner: dict[LargeFile, Any] = {}
@@ -257,7 +285,7 @@ class Copier:
         return [p.proc.pid for p in self._procs.pool.procs] if self._procs is not None else []
 
     # ---- driver ----------------------------------------------------------------------------
-    def run(self, files: Iterable[SourceFile], on_done: Callable[[list[Entry]], None] | None = None) -> None:
+    def run(self, files: Iterable[SourceFile] | Polled, on_done: Callable[[list[Entry]], None] | None = None) -> None:
         """Copy ``files``; on the first failure stop, clean up, and raise it.
 
         ``files`` is pulled lazily, a few batches ahead of what the workers finished; ``on_done`` is called in
@@ -318,7 +346,7 @@ class Copier:
 
     def _idle(self) -> bool:
         """Nothing left to hand out and nothing in flight."""
-        left = self._batch.items or self._handing or not self._exhausted
+        left = self._batch.items or self._queued or self._handing or not self._exhausted
         flying = self._inline or (self._threads and self._threads.in_flight) or (self._procs and
                                                                                   self._procs.in_flight)
         return not left and not flying
@@ -341,11 +369,22 @@ class Copier:
         return out
 
     def _handle(self, results: list[tuple[_Job, Any]]) -> None:
+        """Journal and count what the workers sent back.  The small files of every batch here are journaled as
+        one: a streaming run's jobs are of one file, and journaling each alone was a third of its dispatcher's
+        time (numpy's per-call cost, paid per file)."""
+        done: list[EntryTuple] = []
+        errors: list[BaseException] = []
         for job, result in results:
-            if job.large is None:
-                self._complete_batch(job, result)
-            else:
+            if job.large is not None:
                 self._complete_range(job, result)
+                continue
+            got, err = result
+            if got:
+                done += got
+            if err is not None:
+                errors.append(err)
+        if done or errors:
+            self._complete_batch(done, errors[0] if errors else None)
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
@@ -434,6 +473,8 @@ class Copier:
 
     def _next_from_feed(self, proc: Any) -> _Job | None:
         """A batch of the next small files, or the first range of the next large file (then ``proc``'s)."""
+        if self._queued:
+            return self._queued.popleft()
         s = self.settings
         batch = self._batch
         feed = self._feed
@@ -466,6 +507,13 @@ class Copier:
                 if job is not None:
                     return job
                 continue
+            if feed.alone():  # needed now: in a job of its own, handed out now (after the batch begun so far)
+                job = _Job(items=[(f, local_path(f.rel), expected(f.rel, ""))], nbytes=f.size)
+                if not batch.items:
+                    return job
+                self._queued.append(job)
+                self._batch = _Job()
+                return batch
             batch.items.append((f, local_path(f.rel), expected(f.rel, "")))
             batch.nbytes += f.size
             self._pulled_small += 1
@@ -496,8 +544,7 @@ class Copier:
         return None
 
     # ---- results (in this thread only) ---------------------------------------------------------
-    def _complete_batch(self, job: _Job, result: tuple[list[EntryTuple] | None, BaseException | None]) -> None:
-        done, err = result
+    def _complete_batch(self, done: list[EntryTuple], err: BaseException | None) -> None:
         if done:
             entries = [Entry(*t) for t in done] if self._on_done is not None or self.incoming.on_record else None
             nbytes = sum([t[1] for t in done])

@@ -1,10 +1,10 @@
 """The files a copy run is given, pulled lazily: only as many as the copier asks for.
 
 A list, or an iterable wrapped in :class:`Direct` (what a stage copies: the rows of its plan), is read
-directly, in the copier's thread.  Any other iterable, such as a streaming stage's schedule, a
-generator whose next file depends on what the loader needs and on which files are done, is pulled in a thread
-of its own, one file per credit the copier grants: it may block (waiting for files to be done, or for room in
-the cache) while the copier goes on collecting the workers' results, which is what unblocks it.
+directly, in the copier's thread, and so is a :class:`Polled` source (a streaming run's schedule), which answers
+at once whether a file is there now.  Any other iterable, such as the rows a stage with peers is told to read
+as the other nodes answer, is pulled in a thread of its own, one file per credit the copier grants: it may block
+while the copier goes on collecting the workers' results.
 """
 
 from __future__ import annotations
@@ -52,12 +52,34 @@ class Direct(Iterator[SourceFile]):
         return next(self._it)
 
 
+class Polled:
+    """Files the copier asks for in its own thread, one call a file, answered at once: the next file, or None for
+    nothing now (the copier asks again when :attr:`ring` is called or a copy ends), or StopIteration at the end.
+    A streaming run's schedule is one: pulled in a thread of its own, each file cost four hand-overs between
+    threads, each through the interpreter's lock that 128 copy threads wait for."""
+
+    def ring(self) -> None:
+        """Something may have come: the copier asks again (set by the copier; any thread may call it)."""
+
+    def take(self) -> SourceFile | None:
+        raise NotImplementedError
+
+    def alone(self) -> bool:
+        """Whether the file :meth:`take` gave last must be copied at once in a job of its own (someone waits for
+        it, or will soon), rather than in a batch that copies it after the batch's earlier files."""
+        return False
+
+
 class Feed:
     """What the copier takes files from: :meth:`take` never blocks; :meth:`ask` says how many more it wants."""
 
-    def __init__(self, files: Iterable[SourceFile], wakeup: Wakeup) -> None:
+    def __init__(self, files: Iterable[SourceFile] | Polled, wakeup: Wakeup) -> None:
         self._direct = isinstance(files, (Sequence, Direct))
-        self._it = files._it if isinstance(files, Direct) else iter(files)  # one next() a file, not two
+        self._polled = files if isinstance(files, Polled) else None
+        if self._polled is not None:
+            self._polled.ring = wakeup.ring  # type: ignore[method-assign]
+        self._it: Iterator[SourceFile] = (files._it if isinstance(files, Direct) else iter(())
+                                          if isinstance(files, Polled) else iter(files))  # one next() a file
         self._wakeup = wakeup
         self._items: collections.deque[SourceFile] = collections.deque()
         self._credits = threading.Semaphore(0)
@@ -66,12 +88,18 @@ class Feed:
         self.error: BaseException | None = None
         self._closing = False
         self._thread: threading.Thread | None = None
-        if not self._direct:
+        if not self._direct and self._polled is None:
             self._thread = threading.Thread(target=self._pull, name="stagingloader-copy-feed", daemon=True)
             self._thread.start()
 
     def take(self) -> SourceFile | None:
         """The next file if there is one now; None at the end, or (pulled in a thread) while it is coming."""
+        if self._polled is not None:
+            try:
+                return self._polled.take()
+            except StopIteration:
+                self.ended = True
+                return None
         if self._direct:
             try:
                 return next(self._it)
@@ -85,9 +113,13 @@ class Feed:
             self.ended = True
         return None
 
+    def alone(self) -> bool:
+        """:meth:`Polled.alone` of the file taken last (False for other iterables)."""
+        return self._polled is not None and self._polled.alone()
+
     def ask(self, count: int) -> None:
         """Pull up to ``count`` more files (in the feed's thread)."""
-        if not self._direct and count > 0 and not self._done:
+        if self._thread is not None and count > 0 and not self._done:
             self.asked += count
             self._credits.release(count)
 
@@ -121,4 +153,4 @@ class Feed:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-__all__ = ["Direct", "Feed", "Wakeup"]
+__all__ = ["Direct", "Feed", "Polled", "Wakeup"]

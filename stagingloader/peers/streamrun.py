@@ -28,7 +28,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -174,14 +174,14 @@ class ScheduledReads:
         if rows:
             with self.srun.lock:
                 self.srun.sched.release(np.asarray(rows, dtype=np.int64))
-            self.srun.wake.set()
+            self.srun.ring()
 
-    def files(self) -> Iterator[Any]:
-        return self.srun.feed()
+    def files(self) -> Any:
+        return sp.Picks(self.srun)
 
     def close(self) -> None:
         self.srun.feed_closed.set()
-        self.srun.wake.set()
+        self.srun.ring()
 
 
 class _PeerStreamRun(sp.StreamRun):

@@ -37,7 +37,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TextIO
@@ -49,6 +49,7 @@ from ..cache import leases, trust
 from ..cache.locking import DatasetLock
 from ..cache.manifest import Entry
 from ..engine.copier import STOP_GRACE_SECONDS, STOP_SECONDS, Copier, CopySettings
+from ..engine.feed import Polled
 from ..errors import InternalError, NoSpaceError, SourceChangedError, StagingError
 from ..sources.listing import Listing
 from ..sources.source import SourceFile
@@ -86,6 +87,16 @@ from .schedule import Rows, Schedule
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.05
+#: the feed reads the readers' files again before a pick at most this often: each read is a folder listing and an
+#: open per file (25 us of CPU), paid per file at 2,000 objects a second
+REQUESTS_SECONDS = 0.002
+#: an object store's file the readers need later than this is copied in a batch (one after the other in one copy
+#: thread) of a file per THREADS_PER_BATCH_FILE threads, at most SMALL_BATCH_FILES: each job a thread takes costs
+#: hand-overs through the interpreter's lock that every thread waits for (16-file jobs at 128 threads: 25 % fewer
+#: thread switches, 10 % less CPU, for 20,000 objects at 20 ms).  A file needed sooner goes alone, at once.
+BATCH_LEAD_SECONDS = 2.0
+SMALL_BATCH_FILES = 16
+THREADS_PER_BATCH_FILE = 8
 STATE_SECONDS = 0.2
 LEASE_SECONDS = 1.0
 STOP_DEADLINE = STOP_SECONDS + STOP_GRACE_SECONDS  #: after a stop, the process ends within this (plus a poll)
@@ -259,7 +270,6 @@ class StreamRun:
         self.listing = stream_rows(run)  #: in columns: nothing per file until a file is handed to the copier
         self.inflight: dict[str, int] = {}  #: rel -> row of the files handed to the copier and not yet done
         self.done_q: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
-        self.wake = threading.Event()
         self.lock = threading.Lock()  #: the schedule: the feed (copier's dispatcher) and the poller share it
         self.req_lock = threading.Lock()  #: the request reader, polled by both
         self._done = threading.Event()
@@ -276,6 +286,8 @@ class StreamRun:
         self._ending = False  #: the final state is claimed (by the run, or by the watchdog): see _claim_end
         self.failed = False
         self.checked = run.check is None  #: the rows are the source's (listed, or checked against a listing)
+        self._read_at = 0.0  #: when the feed last read the readers' files
+        self.ring: Callable[[], None] = lambda: None  #: wakes the copier's dispatcher (set by Picks)
 
     def run(self) -> None:
         run, lp = self.run_, self.lp
@@ -298,7 +310,8 @@ class StreamRun:
                              "lease": self.lease, "stream_dir": str(self.sdir), "pid": os.getpid(),
                              "cache_limit": limit}})
         _log_to(self.sdir / "stager.log")
-        settings = CopySettings(workers=run.workers, fsync=lp.incoming.fsync, small_batch_files=1)
+        batch = 1 if run.source.is_local else max(1, min(SMALL_BATCH_FILES, run.workers // THREADS_PER_BATCH_FILE))
+        settings = CopySettings(workers=run.workers, fsync=lp.incoming.fsync, small_batch_files=batch)
         copier = self.copier = Copier(run.source, lp.incoming, settings, expected=lp.expected, stop=self.stop)
         poller = threading.Thread(target=self._poll_loop, name="stagingloader-stream-poll", daemon=True)
         poller.start()
@@ -340,7 +353,7 @@ class StreamRun:
 
     def copy_all(self, copier: Copier) -> None:
         """Copy every row the schedule picks, until it is finished or the run stops."""
-        copier.run(self.feed())
+        copier.run(Picks(self))
 
     def requests(self) -> tuple[dict[str, Rows], dict[str, Rows], set[str], dict[str, int]]:
         """The readers' new orders, urgent rows and departures, and every reader's position."""
@@ -393,31 +406,33 @@ class StreamRun:
         log.info("published %s of %s", self.version, run.source.url)
 
     # ---- the feed: what the copier copies next -----------------------------------------------------------
-    def feed(self) -> Iterator[SourceFile]:
-        """What the copier copies next (its dispatcher pulls this when a slot frees)."""
+    def _pick(self) -> SourceFile | None:
+        """The next file to copy, None if none now, StopIteration at the end (:class:`Picks`: in the copier's
+        dispatcher)."""
+        if self.stop.is_set() or self.feed_closed.is_set():
+            raise StopIteration
+        now = time.monotonic()
+        if now - self._read_at >= REQUESTS_SECONDS:  # the freshest order and urgent rows decide this pick
+            self._read_at = now
+            self._take_requests()
         sched = self.sched
-        while not self.stop.is_set() and not self.feed_closed.is_set():
-            self._take_requests()  # the freshest order and urgent rows decide this pick
-            with self.lock:
-                self._collect()
-                if sched.finished:
-                    return
-                pick = sched.next()
-                if pick is not None:
-                    for row in pick.evict:
-                        trust.unlink_under(self.lp.incoming.data, self.listing.path[row])
-            if pick is None:
-                self.wake.wait(POLL_SECONDS)
-                self.wake.clear()
-                continue
-            f = self.listing.row(pick.row)
-            self.inflight[f.rel] = pick.row
-            self.lp.incoming.expect(self.listing, f.rel, pick.row)
-            yield f
+        with self.lock:
+            self._collect()
+            if sched.finished:
+                raise StopIteration
+            pick = sched.next()
+            if pick is not None:
+                for row in pick.evict:
+                    trust.unlink_under(self.lp.incoming.data, self.listing.path[row])
+        if pick is None:
+            return None
+        f = self.listing.row(pick.row)
+        self.inflight[f.rel] = pick.row
+        self.lp.incoming.expect(self.listing, f.rel, pick.row)
+        return f
 
     def _recorded(self, entries: list[Entry]) -> None:  # copier threads
         self.done_q.put([e.path for e in entries])
-        self.wake.set()
 
     def _row_of(self, rel: str) -> int:
         row = self.inflight.pop(rel, -1)
@@ -464,7 +479,7 @@ class StreamRun:
             self.checked = True
             log.info("the listing of %s matches the rows its manifest gave", self.run_.source.url)
         if self._take_requests():
-            self.wake.set()
+            self.ring()
         with self.lock:
             self._collect()
             self._write_live(COPYING)
@@ -528,6 +543,20 @@ class StreamRun:
                     files_done=int(ready.sum()), bytes_done=s.cached_bytes, files_total=len(ready),
                     bytes_total=int(s.sizes.sum()), version=self.version, cache_limit=s.limit,
                     evicted_files=s.evicted).write(self.sdir)
+
+
+class Picks(Polled):
+    """The schedule's picks, asked for in the copier's dispatcher (no thread of their own; see :class:`Polled`)."""
+
+    def __init__(self, srun: StreamRun) -> None:
+        self.srun = srun
+        srun.ring = lambda: self.ring()
+
+    def take(self) -> SourceFile | None:
+        return self.srun._pick()
+
+    def alone(self) -> bool:
+        return self.srun.sched.lead < BATCH_LEAD_SECONDS
 
 
 def _one_line(e: BaseException) -> str:

@@ -12,6 +12,7 @@ import pytest
 
 from stagingloader.cache.manifest import Entry
 from stagingloader.engine.copier import Copier, CopySettings
+from stagingloader.engine.feed import Polled
 from stagingloader.engine.incoming import Incoming
 from stagingloader.sources.source import Source
 from tests.support.s3server import S3Server, isolated_s3
@@ -84,3 +85,65 @@ def _tree(root: Path, files: dict[str, bytes]) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
     return root
+
+
+class PolledListing(Polled):
+    """A streaming run's shape of feed: files in listing order, asked for one at a time in the copier's thread.
+    Every 13th ask answers "nothing now" and rings 20 ms later from another thread; every 11th file must go
+    alone (a reader waits for it)."""
+
+    def __init__(self, files: list[Any]) -> None:
+        self.files = files
+        self.taken = 0
+        self.asks = 0
+        self.alone_rels: set[str] = set()
+
+    def take(self) -> Any:
+        self.asks += 1
+        if self.asks % 13 == 0:
+            threading.Timer(0.02, self.ring).start()
+            return None
+        if self.taken == len(self.files):
+            raise StopIteration
+        f = self.files[self.taken]
+        self.taken += 1
+        if self.taken % 11 == 3:
+            self.alone_rels.add(f.rel)
+        return f
+
+    def alone(self) -> bool:
+        return self.taken % 11 == 3
+
+
+def test_a_polled_feed_batches_files_and_sends_a_waited_file_alone_at_once(s3: S3Server, tmp_path: Path) -> None:
+    source = Source(f"s3://{BUCKET}/ds", s3.storage_options())
+    files = list(source.listing())
+    feed = PolledListing(files)
+    incoming = Incoming(tmp_path / "incoming")
+    incoming.open()
+    settings = CopySettings(workers=16, range_size=256 << 10, large_threshold=1 << 20, small_batch_files=8)
+    copier = Copier(source, incoming, settings)
+    jobs: list[list[str]] = []
+    real = copier._worker.copy_batch
+
+    def recorded(items: list[Any]) -> Any:
+        jobs.append([f.rel for f, _, _ in items])
+        return real(items)
+
+    copier._worker.copy_batch = recorded  # type: ignore[method-assign]
+    done: list[Entry] = []
+    copier.run(feed, on_done=done.extend)
+    incoming.close()
+    want = {k[3:]: content(k, n) for k, n in OBJECTS.items()}
+    assert sorted(e.path for e in done) == sorted(want)  # each once
+    assert tree_digests(incoming.data) == tree_digests(_tree(tmp_path / "want", want))
+    small = [f.rel for f in files if f.size <= settings.large_threshold]
+    assert sorted(rel for job in jobs for rel in job) == sorted(small)
+    assert feed.alone_rels & set(small) and all(
+        len(job) == 1 for job in jobs if set(job) & feed.alone_rels)  # a waited-for file never waits behind others
+    assert max(len(job) for job in jobs) == 8  # the others travel in batches, in the order they were taken
+    batched = [rel for rel in small if rel not in feed.alone_rels]
+    for job in jobs:
+        if len(job) > 1:
+            at = batched.index(job[0])
+            assert batched[at:at + len(job)] == job

@@ -158,3 +158,23 @@ def test_the_folder_printed_by_no_wait_is_read_while_it_streams(s3: S3Server, ro
         protocol.find_state(Path(out["dataset_dir"]), out["version"])
         for i in range(len(files)):
             assert files[i][0] == _want(files.relpath(i))
+
+
+def test_with_many_copy_threads_files_read_later_travel_in_batches_and_every_byte_is_right(s3: S3Server,
+                                                                                           root: Path) -> None:
+    """64 copy threads: files no reader needs within BATCH_LEAD_SECONDS go 8 to a job, a file a reader waits for
+    goes alone; training reads every sample whole and right while it streams, and the version publishes."""
+    with FaultProxy.clean(s3.endpoint_url, bytes_per_s=150_000) as proxy:
+        ds = sl.stage(f"s3://{BUCKET}/ds", root=str(root), workers=64, wait=False,
+                      storage_options=s3.storage_options(endpoint_url=proxy.endpoint_url))
+        try:
+            assert ds.streaming
+            files = sl.StagedFiles(ds, decode="bytes", labels=False)
+            loader = sl.DataLoader(files, batch_size=4, shuffle=True, num_workers=2,
+                                   generator=torch.Generator().manual_seed(11))
+            got = sorted(bytes(b) for batch in loader for b in batch)
+            done = ds.wait(timeout=120)
+        finally:
+            ds.release()
+    assert got == sorted(_want(rel) for rel in ds.files)  # each sample once, whole and right
+    assert sl.verify(done).ok and len(done.files) == len(FILES)
