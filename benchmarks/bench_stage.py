@@ -316,7 +316,8 @@ class Runner:
     def dataset(self, spec: Spec, src: Path, kind: str, base: Path, writer: Path | None, listfile: Path
                 ) -> dict[str, Any]:
         a = self.args
-        methods = [m for m in methods_for(kind, writer, listfile) if not a.methods or m.name in a.methods]
+        methods = [m for m in methods_for(kind, writer, listfile)  # a name, or its part before " (" ("ceiling")
+                   if not a.methods or m.name in a.methods or m.name.split(" (")[0] in a.methods]
         samples = {m.name: B.Samples() for m in methods}
         run_dir = base / "run"
         expect = (spec.count, spec.total)
@@ -584,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk-dir", default="/work/bench-target")
     ap.add_argument("--repeats", type=int, default=None, help="warm passes after the cold one (default 2; quick 1)")
     ap.add_argument("--idle", type=float, default=None, help="idle seconds before each cold run (default 5)")
-    ap.add_argument("--methods", default="", help="comma list of method names to run (default: all)")
+    ap.add_argument("--methods", default="",
+                    help="comma list of method names to run (default: all); a name's part before ' (' will do: ceiling")
     ap.add_argument("--no-restage", dest="restage", action="store_false", help="skip the re-stage comparison")
     ap.add_argument("--repeats-tiny", type=int, default=1, help="warm passes for the tiny dataset (default 1)")
     ap.add_argument("--disk-repeats", type=int, default=None, help="warm passes on the disk (default 1)")
