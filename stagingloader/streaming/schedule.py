@@ -74,6 +74,7 @@ class Schedule:
         self.inflight = np.zeros(n, dtype=bool)
         self.elsewhere = np.zeros(n, dtype=bool)  #: rows another node brings: never picked here
         self.ready[np.fromiter(ready, dtype=np.int64)] = True
+        self.ready_rows = int(self.ready.sum())  #: how many are ready (``finished`` is asked before every pick)
         self.cached_bytes = int(self.sizes[self.ready].sum())
         self.inflight_bytes = 0
         self.evicted = 0
@@ -153,6 +154,7 @@ class Schedule:
             self.elsewhere[row] = False
             if not self.ready[row]:
                 self.ready[row] = True
+                self.ready_rows += 1
                 self.cached_bytes += int(self.sizes[row])
             count += 1
         self.copy_rate.add(count, now)
@@ -177,7 +179,7 @@ class Schedule:
     @property
     def finished(self) -> bool:
         """Every row is ready and none is in flight (never true under a cache limit while readers read on)."""
-        return bool(self.ready.all())
+        return self.ready_rows == len(self.ready)
 
     @property
     def window(self) -> int:
@@ -292,7 +294,8 @@ class Schedule:
             victims = self._own_pins(row, free, need)
         if victims is None:
             return None
-        self.ready[victims] = False
+        self.ready[victims] = False  # ready rows all (the candidates are)
+        self.ready_rows -= len(victims)
         self.cached_bytes -= int(self.sizes[victims].sum())
         self.evicted += len(victims)
         ranks = self.rank[victims]
