@@ -31,6 +31,7 @@ Rows = npt.NDArray[np.int64]
 MIN_WINDOW = 8
 WINDOW_SECONDS = 2.0
 SCAN = 4096
+FIRST_SCAN = 64  #: a pick looks at this many rows first (the next free one is usually among them), then SCAN at a time
 RATE_SECONDS = 1.0  #: the time constant of the measured rates
 LEAD_ROWS = 2048  #: before any reader has moved, rows this far ahead of the readers count as needed soon
 PIN_SECONDS = 10.0  #: how long a row copied for an urgent request stays, unless its reader's position passes it
@@ -249,22 +250,27 @@ class Schedule:
 
     def _next_in_order(self) -> int | None:
         merged = self.merged
+        width = FIRST_SCAN
         while self._ptr < len(merged):
-            chunk = merged[self._ptr:self._ptr + SCAN]
+            chunk = merged[self._ptr:self._ptr + width]
             free = np.flatnonzero(~self._busy(chunk))
             if len(free):
                 self._ptr += int(free[0])
                 return int(chunk[free[0]])
             self._ptr += len(chunk)
+            width = min(SCAN, 8 * width)
         return None
 
     def _next_in_listing(self) -> int | None:
         n = len(self.ready)
+        width = FIRST_SCAN
         while self._tail < n:
-            free = np.flatnonzero(~self._busy(slice(self._tail, self._tail + SCAN)))
+            free = np.flatnonzero(~self._busy(slice(self._tail, self._tail + width)))
             if len(free):
-                return self._tail + int(free[0])
-            self._tail += SCAN
+                self._tail += int(free[0])  # the rows before it are busy (an eviction or a release moves it back)
+                return self._tail
+            self._tail += width
+            width = min(SCAN, 8 * width)
         return None
 
     def _make_room(self, row: int, *, beat: int) -> tuple[int, ...] | None:
