@@ -4,6 +4,7 @@ as its collate counted them (:mod:`.collate`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import signal as sig
@@ -194,10 +195,13 @@ class LoaderIter:
         self.state: Any = None  #: the loader's state after the last batch yielded, when batches are taken ahead
         if loader.num_workers > 0 or dev is not None:
             self.state = _safe_state(inner)()
+        self._in_next = False  #: the main thread is in __next__, whose own handler buries a dead worker's iterator
         if loader.num_workers > 0:
             # workers load in parallel already; the receiving (IPC, copying out of slots) moves off the loop too
             self._receiver = _Receiver(self._pull_inner, _safe_state(inner), _shut(inner), depth=2)
             weakref.finalize(self, self._receiver.close)
+            _LIVE.add(self)
+            _watch_sigchld()
 
     def __iter__(self) -> LoaderIter:
         return self
@@ -228,6 +232,7 @@ class LoaderIter:
         if self._done:
             raise StopIteration
         t0 = time.perf_counter()
+        self._in_next = True
         try:  # all of it: torch's SIGCHLD handler raises a worker's death wherever the main thread is
             batch, samples = self._next()
             n = self._counted(samples)
@@ -254,6 +259,8 @@ class LoaderIter:
             self._annotate(e)
             self._settle()
             raise
+        finally:
+            self._in_next = False
 
     def _next(self) -> tuple[Any, int | None]:
         """The batch the loop gets now and the samples fetched for it."""
@@ -377,6 +384,42 @@ class LoaderIter:
             f"stagingloader: while loading batch {cur.batches if cur else 0} of epoch {self.loader.epoch}"
         if hasattr(e, "add_note"):
             e.add_note(note)
+
+
+_LIVE: weakref.WeakSet[LoaderIter] = weakref.WeakSet()  #: iterators with worker processes
+_torch_sigchld: Any = None  #: torch's SIGCHLD handler, which ours calls first
+
+
+def _watch_sigchld() -> None:
+    """Put :func:`_on_sigchld` in front of torch's SIGCHLD handler (main thread only; once a process: a handler
+    set after ours may call ours, which must not call it back)."""
+    global _torch_sigchld
+    if _torch_sigchld is not None:
+        return
+    try:
+        current = sig.getsignal(sig.SIGCHLD)
+        if current is _on_sigchld:
+            return
+        sig.signal(sig.SIGCHLD, _on_sigchld)
+    except (ValueError, AttributeError, OSError):  # not the main thread, or no SIGCHLD here
+        return
+    _torch_sigchld = current if current is not None else sig.SIG_DFL
+
+
+def _on_sigchld(signum: int, frame: Any) -> None:
+    """torch's handler raises a worker's death wherever the main thread is: outside ``__next__`` (the training
+    loop's own code, or the very start of the call, before its ``try``) nothing of ours saw it, and the iterator
+    kept its slots and its dead worker.  So the iterators not in ``__next__`` are buried first, then it raises."""
+    try:
+        if callable(_torch_sigchld):
+            _torch_sigchld(signum, frame)
+    except RuntimeError as e:
+        if any(t in str(e) for t in WORKER_DEATH):
+            for it in list(_LIVE):
+                if not it._in_next and not it._done and it._dead_workers():
+                    with contextlib.suppress(Exception):
+                        it._bury()
+        raise
 
 
 def _tree_map(fn: Any, batch: Any) -> Any:
