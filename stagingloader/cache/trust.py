@@ -117,19 +117,23 @@ def check_file(path: Path, *, what: str) -> os.stat_result | None:
 SMALL_FILE_MAX = 1 << 20  #: the largest record file (dataset.json, a marker, settings) read whole
 
 
-def read_small(path: str | os.PathLike[str], *, dir_fd: int | None = None, limit: int = SMALL_FILE_MAX) -> bytes:
+def read_small(path: str | os.PathLike[str], *, dir_fd: int | None = None, limit: int = SMALL_FILE_MAX,
+               owners: frozenset[int] | None = None) -> bytes:
     """The bytes of a small record file, read safely from a folder others may have written to: opened without
     following a link and without blocking (a named pipe planted in its place would hang a plain ``open``), only if
-    it is a regular file, and at most ``limit`` bytes (OSError otherwise, ``errno`` saying why)."""
+    it is a regular file (of one of ``owners``, where given), and at most ``limit`` bytes (OSError otherwise,
+    ``errno`` saying why: ELOOP a link, EINVAL not a file, EPERM another owner's, EFBIG too large)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.EINVAL, f"{kind_of(st)}, not a file", os.fspath(path))
+        if owners is not None and st.st_uid not in owners:
+            raise OSError(errno.EPERM, f"a file of {user_name(st.st_uid)}", os.fspath(path))
         if st.st_size > limit:
             raise OSError(errno.EFBIG, f"larger than {limit} bytes", os.fspath(path))
-        chunks = []
-        left = limit + 1
+        chunks = [os.read(fd, st.st_size + 1)] if st.st_size else []  # whole in one read, as it usually is
+        left = limit + 1 - sum(len(c) for c in chunks)
         while left > 0 and (chunk := os.read(fd, min(left, 1 << 16))):
             chunks.append(chunk)
             left -= len(chunk)

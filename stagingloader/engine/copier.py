@@ -480,6 +480,7 @@ class Copier:
         feed = self._feed
         assert feed is not None
         take, local_path, expected = feed.take, self.source.local_path, self.expected.get  # bound once: per file
+        polled = feed.polled
         while not self._exhausted and not self.stop.is_set():
             f = take()
             if f is None:
@@ -507,7 +508,7 @@ class Copier:
                 if job is not None:
                     return job
                 continue
-            if feed.alone():  # needed now: in a job of its own, handed out now (after the batch begun so far)
+            if polled and feed.alone():  # needed now: in a job of its own, at once (after the batch begun so far)
                 job = _Job(items=[(f, local_path(f.rel), expected(f.rel, ""))], nbytes=f.size)
                 if not batch.items:
                     return job

@@ -9,6 +9,7 @@ while the copier goes on collecting the workers' results.
 
 from __future__ import annotations
 
+import abc
 import collections
 import contextlib
 import socket
@@ -52,17 +53,18 @@ class Direct(Iterator[SourceFile]):
         return next(self._it)
 
 
-class Polled:
-    """Files the copier asks for in its own thread, one call a file, answered at once: the next file, or None for
-    nothing now (the copier asks again when :attr:`ring` is called or a copy ends), or StopIteration at the end.
+class Polled(abc.ABC):
+    """Files the copier asks for in its own thread, one call a file, answered at once.
     A streaming run's schedule is one: pulled in a thread of its own, each file cost four hand-overs between
     threads, each through the interpreter's lock that 128 copy threads wait for."""
 
-    def ring(self) -> None:
+    def ring(self) -> None:  # noqa: B027  (not abstract: a no-op until the copier puts its own in its place)
         """Something may have come: the copier asks again (set by the copier; any thread may call it)."""
 
+    @abc.abstractmethod
     def take(self) -> SourceFile | None:
-        raise NotImplementedError
+        """The next file, or None for nothing now (the copier asks again when :meth:`ring` is called or a copy
+        ends); StopIteration at the end."""
 
     def alone(self) -> bool:
         """Whether the file :meth:`take` gave last must be copied at once in a job of its own (someone waits for
@@ -76,6 +78,7 @@ class Feed:
     def __init__(self, files: Iterable[SourceFile] | Polled, wakeup: Wakeup) -> None:
         self._direct = isinstance(files, (Sequence, Direct))
         self._polled = files if isinstance(files, Polled) else None
+        self.polled = self._polled is not None  #: files may say which must go alone (see :meth:`alone`)
         if self._polled is not None:
             self._polled.ring = wakeup.ring  # type: ignore[method-assign]
         self._it: Iterator[SourceFile] = (files._it if isinstance(files, Direct) else iter(())

@@ -177,7 +177,7 @@ class ScheduledReads:
             self.srun.ring()
 
     def files(self) -> Any:
-        return sp.Picks(self.srun)
+        return self.srun  # a Polled: the copier asks it for files
 
     def close(self) -> None:
         self.srun.feed_closed.set()

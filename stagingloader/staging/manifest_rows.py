@@ -19,16 +19,17 @@ same-inode check (:func:`~..sources.stable.open_listed`) does not apply to them;
 from __future__ import annotations
 
 import contextlib
+import errno
 import multiprocessing
 import os
 import signal
-import stat
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..cache import trust
 from ..cache.columns import StrColumn
 from ..cache.manifest import SOURCE_MANIFEST_NAME, Manifest
 from ..engine.workerpool import die_with_parent
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from .stager import StageOptions
 
 NAMED = 5  #: files named per kind of difference in the message
+MANIFEST_MAX = 1 << 34  #: a source manifest is read whole (1.28 M files: about 100 MB in JSON)
 
 
 def rows_from_manifest(source: Source, opts: StageOptions, say: Callable[[str], None]) -> Listing | None:
@@ -56,18 +58,12 @@ def rows_from_manifest(source: Source, opts: StageOptions, say: Callable[[str], 
         return None
     path = f"{source.base}/{SOURCE_MANIFEST_NAME}"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:  # none, a link, unreadable: the stage says what it must, as without rows from it
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raw = trust.read_small(path, limit=MANIFEST_MAX, owners=frozenset({os.geteuid()}))
+    except OSError as e:  # none, a link, unreadable: the stage says what it must, as without rows from it
+        if e.errno in (errno.EINVAL, errno.EPERM):
             say(f"{path} is not a file of this user: its digests are checked, its paths not taken as rows")
-            return None
-        with os.fdopen(os.dup(fd), "rb") as f:
-            m = Manifest.parse(f.read(), path)
-    finally:
-        os.close(fd)
+        return None
+    m = Manifest.parse(raw, path)
     source.use_manifest(m)  # the digests every copy is checked against: this manifest's, read once
     if not len(m) or not m.sorted_by_bytes or not plain_paths(m.path):
         say(f"{path} does not list plain relative paths in order: its paths are not taken as rows")

@@ -255,8 +255,10 @@ def _published_foreign(run: StageRun) -> dict[str, Any]:
     return {"done": True, "dataset_dir": str(run.ddir.path), "version": ds.version, "lease": None}
 
 
-class StreamRun:
-    """One streaming run under the dataset's lock: set up the stream folder, answer, copy, publish.  A stage with
+class StreamRun(Polled):
+    """One streaming run under the dataset's lock: set up the stream folder, answer, copy, publish.  It is the
+    copier's source of files (:class:`~..engine.feed.Polled`: :meth:`take` the schedule's next pick, :meth:`alone`
+    whether a reader needs it soon, :meth:`ring` when the readers asked for something new).  A stage with
     peers (:mod:`stagingloader.peers.streamrun`) overrides :meth:`plan_rows`, :meth:`copy_all` and
     :meth:`requests`: its rows come from the source or from the other nodes."""
 
@@ -289,7 +291,6 @@ class StreamRun:
         self.failed = False
         self.checked = run.check is None  #: the rows are the source's (listed, or checked against a listing)
         self._read_at = 0.0  #: when the feed last read the readers' files
-        self.ring: Callable[[], None] = lambda: None  #: wakes the copier's dispatcher (set by Picks)
 
     def run(self) -> None:
         run, lp = self.run_, self.lp
@@ -356,7 +357,7 @@ class StreamRun:
 
     def copy_all(self, copier: Copier) -> None:
         """Copy every row the schedule picks, until it is finished or the run stops."""
-        copier.run(Picks(self))
+        copier.run(self)
 
     def requests(self) -> tuple[dict[str, Rows], dict[str, Rows], set[str], dict[str, int]]:
         """The readers' new orders, urgent rows and departures, and every reader's position."""
@@ -409,9 +410,9 @@ class StreamRun:
         log.info("published %s of %s", self.version, run.source.url)
 
     # ---- the feed: what the copier copies next -----------------------------------------------------------
-    def _pick(self) -> SourceFile | None:
-        """The next file to copy, None if none now, StopIteration at the end (:class:`Picks`: in the copier's
-        dispatcher)."""
+    # ---- what the copier copies next (Polled: asked in its dispatcher) ------------------------------------------
+    def take(self) -> SourceFile | None:
+        """The next file to copy, None if none now, StopIteration at the end."""
         if self.stop.is_set() or self.feed_closed.is_set():
             raise StopIteration
         now = time.monotonic()
@@ -433,6 +434,9 @@ class StreamRun:
         self.inflight[f.rel] = pick.row
         self.lp.incoming.expect(self.listing, f.rel, pick.row)
         return f
+
+    def alone(self) -> bool:
+        return self.sched.lead < BATCH_LEAD_SECONDS
 
     def _recorded(self, entries: list[Entry]) -> None:  # copier threads
         self.done_q.put([e.path for e in entries])
@@ -546,20 +550,6 @@ class StreamRun:
                     files_done=int(ready.sum()), bytes_done=s.cached_bytes, files_total=len(ready),
                     bytes_total=int(s.sizes.sum()), version=self.version, cache_limit=s.limit,
                     evicted_files=s.evicted).write(self.sdir)
-
-
-class Picks(Polled):
-    """The schedule's picks, asked for in the copier's dispatcher (no thread of their own; see :class:`Polled`)."""
-
-    def __init__(self, srun: StreamRun) -> None:
-        self.srun = srun
-        srun.ring = lambda: self.ring()
-
-    def take(self) -> SourceFile | None:
-        return self.srun._pick()
-
-    def alone(self) -> bool:
-        return self.srun.sched.lead < BATCH_LEAD_SECONDS
 
 
 def _one_line(e: BaseException) -> str:
