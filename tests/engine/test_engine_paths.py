@@ -115,7 +115,8 @@ def open_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.parametrize("swap", ["link", "fifo"])
 def test_a_file_swapped_after_listing_is_refused_on_either_open_path(tmp_path: Path, open_path: str, swap: str,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     copy_path: str) -> None:
     src = make_tree(tmp_path / "src", {"a.bin": 100, "victim.bin": 5000})
     secret = tmp_path / "secret"
     secret.write_bytes(b"SECRET-BYTES" * 500)
@@ -140,7 +141,7 @@ def test_a_file_swapped_after_listing_is_refused_on_either_open_path(tmp_path: P
             assert b"SECRET-BYTES" not in p.read_bytes(), f"{p} holds bytes from outside the source"
 
 
-def test_a_user_stage_copies_what_it_lists(tmp_path: Path, open_path: str) -> None:
+def test_a_user_stage_copies_what_it_lists(tmp_path: Path, open_path: str, copy_path: str) -> None:
     src = make_tree(tmp_path / "src", {f"d{i % 4}/f{i}.bin": 10 + 997 * i for i in range(30)})
     ds = sl.stage(str(src), str(tmp_path / "root"))
     assert isinstance(ds, sl.StagedDataset)
@@ -215,7 +216,7 @@ def test_an_early_scan_of_another_version_is_not_used(tmp_path: Path) -> None:
     assert found is not None and list(found.path) == ["x.bin"]
 
 
-def test_the_quick_small_file_path_falls_back_and_leaves_nothing(tmp_path: Path) -> None:
+def test_the_quick_small_file_path_falls_back_and_leaves_nothing(tmp_path: Path, copy_path: str) -> None:
     """A digest the source manifest does not expect, and a file gone since the listing, take the careful path,
     which says what is wrong; no temp file stays behind either way."""
     from stagingloader.engine.copyops import Target, Worker
@@ -259,7 +260,7 @@ def _fsync_worker(tmp_path: Path) -> tuple[Any, Incoming]:
 
 
 def test_a_batch_on_a_disk_is_made_durable_by_one_syncfs_before_any_rename(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copy_path: str) -> None:
     from stagingloader.engine import copyops
 
     src = make_tree(tmp_path / "src", {f"d{i % 2}/f{i}.bin": 1000 + 4099 * i for i in range(12)})
@@ -280,6 +281,17 @@ def test_a_batch_on_a_disk_is_made_durable_by_one_syncfs_before_any_rename(
 
     monkeypatch.setattr(copyops, "_SYNCFS", syncfs)
     monkeypatch.setattr(os, "fsync", fsync)
+    if copy_path == "c":  # the C helper calls fsync(2) itself when it is asked to: what it is asked is recorded
+        real_c = copyops.fastcopy
+
+        class Recorded:
+            @staticmethod
+            def copy_small(*args: Any) -> Any:
+                if args[-1]:
+                    calls.append(("fsync", 0))
+                return real_c.copy_small(*args)
+
+        monkeypatch.setattr(copyops, "fastcopy", Recorded)
     done, err = worker.copy_batch([(f, str(src / f.rel), "") for f in listed])
     assert err is None and sorted(t[0] for t in done) == sorted(f.rel for f in listed)
     assert calls == [("syncfs", 0)], "one syncfs for the batch, before any file was renamed into data/"
@@ -291,7 +303,7 @@ def test_a_batch_on_a_disk_is_made_durable_by_one_syncfs_before_any_rename(
     assert err is None and calls == [("fsync", 0)], "a batch of one (a streaming run) fsyncs its file"
 
 
-def test_a_bad_file_in_a_durable_batch_keeps_the_good_ones_and_names_the_bad(tmp_path: Path) -> None:
+def test_a_bad_file_in_a_durable_batch_keeps_the_good_ones_and_names_the_bad(tmp_path: Path, copy_path: str) -> None:
     from stagingloader.errors import VerificationError
 
     src = make_tree(tmp_path / "src", {"a.bin": 100, "b.bin": 200, "c.bin": 300})
