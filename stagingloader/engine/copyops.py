@@ -48,8 +48,6 @@ try:  # the compiled quick path (setup.py builds it where a C compiler is at han
     from . import fastcopy  # type: ignore[attr-defined]
 except ImportError:
     fastcopy = None
-if os.environ.get("STAGINGLOADER_PURE_PYTHON"):  # for comparisons, and a way out should the compiled part misbehave
-    fastcopy = None
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +122,8 @@ class Worker:
         #: a local large file's ranges: through the buffer into tmpfs (1.23x less CPU for 4 x 1 GiB than sendfile
         #: and a hash of the written pages), by sendfile elsewhere (ext4: 0.6x the CPU of the buffer's writes)
         self._range_buffer: bool | None = None
+        #: the Python path even where the compiled one is built: for comparisons, and a way out should it misbehave
+        self._pure = bool(os.environ.get("STAGINGLOADER_PURE_PYTHON"))
         self._read_size = 0  #: the most one read of the source asks for (see FUSE_READ); set at the first read
         self._names = 0
         self._lock = threading.Lock()
@@ -155,7 +155,7 @@ class Worker:
         done: list[EntryTuple] = []
         err: BaseException | None = None
         quick = self.remote is None
-        fast = quick and fastcopy is not None and bool(items)
+        fast = quick and fastcopy is not None and not self._pure and bool(items)
         cap = len(self.source_view(items[0][1])) if fast else 0  # the most one read asks of this source
         for f, path, want in items:
             if self.stop.is_set():

@@ -29,10 +29,10 @@ def _install_line() -> str:
 def test_pip_install_dot_gives_a_cli_that_stages_without_torch(tmp_path: Path) -> None:
     checkout = tmp_path / "checkout"  # a clean copy: pip builds in the tree, and leaves build/ and egg-info there
     checkout.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
         shutil.copy2(REPO / name, checkout / name)
     shutil.copytree(REPO / "stagingloader", checkout / "stagingloader",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))  # built here by the install
     venv = tmp_path / "venv"
     subprocess.run([PYTHON, "-m", "venv", str(venv)], check=True, timeout=120)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -66,6 +66,11 @@ def test_pip_install_dot_gives_a_cli_that_stages_without_torch(tmp_path: Path) -
     where = subprocess.run([str(venv / "bin/python"), "-c", "import stagingloader; print(stagingloader.__file__)"],
                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
     assert where.stdout.strip().startswith(str(venv)), where
+    # the compiled small-file copy was built by the install (a machine with a C compiler, as this one)
+    helper = subprocess.run([str(venv / "bin/python"), "-c", "from stagingloader.engine import copyops\n"
+                             "print(copyops.fastcopy.__file__)"], capture_output=True, text=True, cwd=tmp_path,
+                            env=env, timeout=60)
+    assert helper.returncode == 0 and helper.stdout.strip().startswith(str(venv)), helper
 
     # what needs an extra says which one, as one error, not a ModuleNotFoundError from deep inside
     loader = subprocess.run([str(venv / "bin/python"), "-c", "import stagingloader as sl\ntry:\n    sl.DataLoader\n"
