@@ -127,6 +127,7 @@ def test_the_floor_plan_is_documented() -> None:
     text = (PKG.parent / "docs" / "architecture.md").read_text()
     documented = {line.split("`")[1] for line in text.splitlines() if line.startswith("| `") and ".py" in line}
     actual = {str(p.relative_to(PKG)) for p in _modules() if p.name not in ("__init__.py", "__main__.py")}
+    actual |= {str(p.relative_to(PKG)) for p in PKG.rglob("*.c") if "_vendor" not in p.parts}  # compiled parts
     assert actual - documented == set(), "modules missing from docs/architecture.md"
     assert documented - actual == set(), "docs/architecture.md names modules that do not exist"
 
