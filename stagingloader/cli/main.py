@@ -42,6 +42,25 @@ class _Parser(argparse.ArgumentParser):
         raise _BadArguments(self.prog, message)
 
 
+class _Version(argparse.Action):
+    """``--version``: the version, and whether the compiled small-file copy was built (looked at only when asked:
+    the engine is not imported for every command's parser)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **_: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show the version, and whether the compiled copy of small files was built, and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from .. import __version__
+        from ..engine import copyops
+
+        built = ("built" if copyops.compiled() else
+                 "not built, small files copy in Python: install with gcc and python3-dev at hand (README, Install)")
+        print(f"stagingloader {__version__} (compiled copy: {built})")
+        parser.exit()
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -193,9 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Stage datasets onto node-local fast storage (tmpfs, NVMe) with verified, shared caching.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from .. import __version__
-
-    p.add_argument("--version", action="version", version=f"stagingloader {__version__}")
+    p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 

@@ -482,6 +482,11 @@ class Worker:
         return ""
 
 
+def compiled() -> bool:
+    """Whether the compiled small-file copy (``fastcopy.c``) was built and loads here."""
+    return fastcopy is not None
+
+
 def sendfile_range(src: int, out_fd: int, offset: int, length: int, path: str) -> int:
     """``sendfile`` ``length`` bytes at ``offset`` of ``src`` to ``out_fd``'s position; the bytes copied (fewer
     when the source ended first).  Source errors as :func:`read_source` says, target errors as the root's."""
@@ -555,4 +560,5 @@ def as_root_error(exc: BaseException) -> BaseException:
 
 
 __all__ = ["BUFFER_SIZE", "FUSE_READ", "QUICK_MAX", "Buffer", "EntryTuple", "Item", "Remote", "StopFlag", "Target",
-           "Worker", "as_root_error", "hash_written", "pwrite_all", "read_source", "sendfile_range", "write_out"]
+           "Worker", "as_root_error", "compiled", "hash_written", "pwrite_all", "read_source", "sendfile_range",
+           "write_out"]

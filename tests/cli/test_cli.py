@@ -186,3 +186,19 @@ def test_argument_errors_are_one_line_and_json_with_json() -> None:
     bad = run_cli("stage", "/x", "--workers", "zero")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--workers" in bad.stderr
     assert bad.stdout == ""
+
+
+def test_version_says_whether_the_compiled_copy_was_built(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from stagingloader import __version__
+    from stagingloader.cli.main import main
+    from stagingloader.engine import copyops
+
+    proc = run_cli("--version")  # this venv's install built it (`pip install -e .` with gcc at hand)
+    assert proc.returncode == 0 and proc.stdout == f"stagingloader {__version__} (compiled copy: built)\n", proc
+    monkeypatch.setattr(copyops, "fastcopy", None)  # as on a machine without a C compiler
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"stagingloader {__version__} (compiled copy: not built") and "gcc" in out, out
