@@ -155,16 +155,16 @@ class Worker:
         done: list[EntryTuple] = []
         err: BaseException | None = None
         quick = self.remote is None
-        fast = quick and fastcopy is not None and not self._pure and bool(items)
-        cap = len(self.source_view(items[0][1])) if fast else 0  # the most one read asks of this source
+        # the compiled copy's buffer: as much of it as one read asks of this source (None: the Python path)
+        view = self.source_view(items[0][1]) if quick and fastcopy is not None and not self._pure and items else None
         for f, path, want in items:
             if self.stop.is_set():
                 break
             try:
                 final = f"{self.data}/{f.rel}"
-                if fast and f.size <= cap:
+                if view is not None and f.size <= len(view):
                     now = not batched and not want  # renamed by the C helper, when nothing is to be checked first
-                    got = self._fast_write(f, path, final if now else None, sync=not batched)
+                    got = self._fast_write(f, path, view, final if now else None, sync=not batched)
                     if got is not None and now:
                         done.append(got[1])
                         continue
@@ -211,7 +211,8 @@ class Worker:
             finally:
                 os.close(fd)
 
-    def _fast_write(self, f: SourceFile, path: str, final: str | None, *, sync: bool) -> tuple[str, EntryTuple] | None:
+    def _fast_write(self, f: SourceFile, path: str, view: memoryview, final: str | None, *,
+                    sync: bool) -> tuple[str, EntryTuple] | None:
         """:meth:`_quick_write` in C (``fastcopy.copy_small``), for files that fit one read of the buffer,
         renamed into ``final`` as well unless that is None: no Python call per system call (a copy worker's user
         CPU per 4 KiB file 5.1-5.4 us against 7.4-7.6 in Python; see docs/benchmarks.md).  None as for
@@ -219,8 +220,7 @@ class Worker:
         tmp = f"{self.partial}{self.new_name()}.tmp"
         if final is not None:
             self.folders.ensure_parent(final)
-        got = fastcopy.copy_small(path, f.dev, f.ino, tmp, final, self.source_view(path), stable._AS_ROOT,
-                                     sync)
+        got = fastcopy.copy_small(path, f.dev, f.ino, tmp, final, view, stable.opens_as_root(), sync)
         if got is None:
             return None
         return tmp, (f.rel, got[0], got[1], "", got[2])

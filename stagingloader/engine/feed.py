@@ -75,10 +75,14 @@ class Polled(abc.ABC):
 class Feed:
     """What the copier takes files from: :meth:`take` never blocks; :meth:`ask` says how many more it wants."""
 
+    @property
+    def polled(self) -> bool:
+        """Whether the files come from a :class:`Polled`, which may say which must go alone (see :meth:`alone`)."""
+        return self._polled is not None
+
     def __init__(self, files: Iterable[SourceFile] | Polled, wakeup: Wakeup) -> None:
         self._direct = isinstance(files, (Sequence, Direct))
         self._polled = files if isinstance(files, Polled) else None
-        self.polled = self._polled is not None  #: files may say which must go alone (see :meth:`alone`)
         if self._polled is not None:
             self._polled.ring = wakeup.ring  # type: ignore[method-assign]
         self._it: Iterator[SourceFile] = (files._it if isinstance(files, Direct) else iter(())

@@ -409,7 +409,6 @@ class StreamRun(Polled):
         finish(run, lp, self.version, manifest, holder_pid=self.req.holder_pid, lease_name=self.lease)
         log.info("published %s of %s", self.version, run.source.url)
 
-    # ---- the feed: what the copier copies next -----------------------------------------------------------
     # ---- what the copier copies next (Polled: asked in its dispatcher) ------------------------------------------
     def take(self) -> SourceFile | None:
         """The next file to copy, None if none now, StopIteration at the end."""
