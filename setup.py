@@ -1,15 +1,25 @@
-"""The one compiled part: the copy worker's quick path for small local files (stagingloader/engine/fastcopy.c).
+"""The compiled parts, both optional: the copy worker's quick path for small local files
+(stagingloader/engine/fastcopy.c) and the listing's per-folder scan (stagingloader/sources/fastscan.c).
 
-It is optional: where no C compiler is at hand the build goes on without it and the same copy runs in Python
-(``Worker._quick_write``), correct and slower. Everything else is in pyproject.toml.
+Where no C compiler is at hand the build goes on without them and the same work runs in Python
+(``Worker._quick_write``; the walk in ``sources/listing.py`` over ``os.scandir``), correct and slower.
+Everything else is in pyproject.toml.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension(
-    "stagingloader.engine.fastcopy",
-    sources=["stagingloader/engine/fastcopy.c"],
-    include_dirs=["stagingloader/engine/_vendor/xxhash"],  # xxHash 0.8, from the python-xxhash 4.1.0 sdist
-    extra_compile_args=["-O2"],
-    optional=True,
-)])
+setup(ext_modules=[
+    Extension(
+        "stagingloader.engine.fastcopy",
+        sources=["stagingloader/engine/fastcopy.c"],
+        include_dirs=["stagingloader/engine/_vendor/xxhash"],  # xxHash 0.8, from the python-xxhash 4.1.0 sdist
+        extra_compile_args=["-O2"],
+        optional=True,
+    ),
+    Extension(
+        "stagingloader.sources.fastscan",
+        sources=["stagingloader/sources/fastscan.c"],
+        extra_compile_args=["-O2"],
+        optional=True,
+    ),
+])

@@ -43,21 +43,28 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Version(argparse.Action):
-    """``--version``: the version, and whether the compiled small-file copy was built (looked at only when asked:
-    the engine is not imported for every command's parser)."""
+    """``--version``: the version, and whether the compiled helpers were built, the small-file copy and the folder
+    scan (looked at only when asked: the engine is not imported for every command's parser)."""
 
     def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **_: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
-                         help="show the version, and whether the compiled copy of small files was built, and exit")
+                         help="show the version, and whether the compiled helpers (the copy of small files, the folder "
+                         "scan) were built, and exit")
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         from .. import __version__
         from ..engine import copyops
+        from ..sources import listing
 
-        built = ("built" if copyops.compiled() else
-                 "not built, small files copy in Python: install with gcc and python3-dev at hand (README, Install)")
-        print(f"stagingloader {__version__} (compiled copy: {built})")
+        parts = {"copy": copyops.compiled(), "scan": listing.compiled()}
+        if all(parts.values()):
+            built = "built"
+        else:
+            which = ", ".join(f"{name} {'built' if ok else 'not built'}" for name, ok in parts.items())
+            built = (f"{which}; what was not built runs in Python, slower: install with gcc and python3-dev at hand "
+                     "(README, Install)")
+        print(f"stagingloader {__version__} (compiled helpers: {built})")
         parser.exit()
 
 

@@ -6,6 +6,10 @@ made on access, so the copier and everything that iterates a listing is unchange
 10,000,000 files stays a few hundred MB.  :func:`scan_local` walks a local tree straight into the columns,
 already in order: each folder's entries sorted by name (a folder's name with a ``/`` appended, as it
 appears in its files' paths), folders descended in place.
+
+Each folder is read and its entries stat'ed by the compiled helper (``fastscan.c``) where it was built: one call a
+folder, its regular files appended to the columns in one go.  Without it (no compiler, or
+``STAGINGLOADER_PURE_PYTHON=1``) the same walk reads folders with ``os.scandir``, to the same columns.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import array
 import itertools
 import os
+import re
 import stat
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, overload
@@ -23,6 +28,20 @@ import numpy.typing as npt
 from ..cache.columns import CHUNK_ROWS, Int64Array, RowArray, StrBuilder, StrColumn, as_int64, encode, int_column
 from ..errors import SourceAccessError, SourceError, UnsafePathError
 from .files import SourceFile as SourceFile  # re-exported: where it was defined first
+
+try:
+    from . import fastscan  # type: ignore[attr-defined]
+except ImportError:  # not built (no C compiler at install): folders are read with os.scandir
+    fastscan = None
+
+
+def compiled() -> bool:
+    """Whether the compiled folder scan (``fastscan.c``) was built and loads here."""
+    return fastscan is not None
+
+
+def _use_compiled() -> bool:
+    return fastscan is not None and not os.environ.get("STAGINGLOADER_PURE_PYTHON")
 
 
 class Listing(Sequence[SourceFile]):
@@ -227,6 +246,22 @@ class ListingBuilder:
             i = self.devs[dev] = len(self.devs)
         return i
 
+    def add_run(self, run: _Run) -> None:
+        """Append a run of the compiled scan's files in one go (its columns sliced, nothing per file)."""
+        folder, start, stop = run.folder, run.start, run.stop
+        a = int(folder.ends[start])
+        base = len(self.paths.blob)
+        self.paths.blob += memoryview(folder.paths)[a:int(folder.ends[stop])]
+        self.paths.ends.frombytes((folder.ends[start + 1:stop + 1] + (base - a)).tobytes())
+        self.size.frombytes(folder.size[start:stop].tobytes())
+        self.mtime.frombytes(folder.mtime[start:stop].tobytes())
+        self.ino.frombytes(folder.ino[start:stop].tobytes())
+        devs = folder.dev[start:stop]
+        if devs.min() == devs.max():
+            self.dev.extend(itertools.repeat(self.dev_of(int(devs[0])), stop - start))
+        else:  # a file bind-mounted into the folder
+            self.dev.extend([self.dev_of(d) for d in devs.tolist()])
+
     def take_chunk(self) -> Listing:
         """The files added so far, as a listing of their own (copied), and this builder emptied in place (the
         same buffers go on growing: a walk holds on to them)."""
@@ -287,6 +322,98 @@ def _is_dir(entry: os.DirEntry[str], follow: bool) -> bool:
         return False
 
 
+class _Folder:
+    """One folder as the compiled scan read it: entries sorted as their paths sort, in columns (see fastscan.c)."""
+
+    __slots__ = ("dev", "ends", "ino", "kinds", "mode", "mtime", "paths", "prefix_len", "size")
+
+    def __init__(self, fd: int, prefix: bytes, *, staged: bool) -> None:
+        paths, ends, kinds, size, mtime, ino, mode, dev = fastscan.scan_dir(fd, prefix, staged)
+        self.paths, self.kinds, self.prefix_len = paths, kinds, len(prefix)
+        self.ends = np.frombuffer(ends, dtype=np.int64)
+        self.size = np.frombuffer(size, dtype=np.int64)
+        self.mtime = np.frombuffer(mtime, dtype=np.int64)
+        self.ino = np.frombuffer(ino, dtype=np.int64)
+        self.mode = np.frombuffer(mode, dtype=np.int64)
+        self.dev = np.frombuffer(dev, dtype=np.int64)
+
+    def name(self, i: int) -> bytes:
+        name: bytes = self.paths[int(self.ends[i]) + self.prefix_len:int(self.ends[i + 1])]
+        return name
+
+
+class _Run:
+    """Regular files next to each other in a :class:`_Folder` (rows ``start`` to ``stop``): appended in one go."""
+
+    __slots__ = ("folder", "start", "stop")
+
+    def __init__(self, folder: _Folder, start: int, stop: int) -> None:
+        self.folder, self.start, self.stop = folder, start, stop
+
+    def names(self) -> Iterator[bytes]:
+        return map(self.folder.name, range(self.start, self.stop))
+
+    def has(self, byte: bytes) -> bool:
+        folder = self.folder
+        at: int = folder.paths.find(byte, int(folder.ends[self.start]), int(folder.ends[self.stop]))
+        return at >= 0
+
+    def unreadable_by_others(self) -> bytes | None:
+        """The name of the first file other users may not read, if any (a bit test on the scan's modes)."""
+        modes = self.folder.mode[self.start:self.stop]
+        bad = np.flatnonzero((modes & stat.S_IROTH) == 0)
+        return self.folder.name(self.start + int(bad[0])) if len(bad) else None
+
+
+class _Entry:
+    """What the walk asks of an entry that is not a plain file (a folder, a link, a failed stat), answered as the
+    ``os.DirEntry`` it stands for answers it: by the entry's kind, and a ``stat`` of its name under the folder."""
+
+    __slots__ = ("fd", "kind", "name")
+
+    def __init__(self, fd: int, name: bytes, kind: int) -> None:
+        self.fd, self.name, self.kind = fd, name, kind
+
+    def is_symlink(self) -> bool:
+        return self.kind in b"lL"
+
+    def is_dir(self, follow_symlinks: bool = True) -> bool:
+        return self.kind == 100 or (follow_symlinks and self.kind == 76)  # b"d", or b"L": a link to a folder
+
+    def stat(self, follow_symlinks: bool = True) -> os.stat_result:
+        return os.stat(self.name, dir_fd=self.fd, follow_symlinks=follow_symlinks)
+
+
+_SOURCE_ITEMS = re.compile(rb"f+|[^f]")
+_STAGED_ITEMS = re.compile(rb"[fo]+|[^fo]")
+
+
+def _compiled_entries(fd: int, prefix: bytes, only: Collection[bytes] | None = None, *, skip: bytes = b"",
+                      staged: bool = False) -> list[Item]:
+    """:func:`_sorted_entries` from the compiled scan: runs of files as :class:`_Run` (a staged tree's links and
+    other odd entries in them, already listed with size -1), anything else as ``(name, _Entry)``; ``skip`` names
+    an entry left out."""
+    folder = _Folder(fd, prefix, staged=staged)
+    kinds = folder.kinds
+    if only is not None or skip:
+        marked = bytearray(kinds)
+        for i in range(len(kinds)):
+            name = folder.name(i)
+            if name == skip or (only is not None and name not in only):
+                marked[i] = ord("x")
+        kinds = bytes(marked)
+    items: list[Item] = []
+    for m in (_STAGED_ITEMS if staged else _SOURCE_ITEMS).finditer(kinds):
+        start, stop = m.span()
+        kind = kinds[start]
+        if kind == 102 or kind == 111:  # b"f", b"o"
+            items.append(_Run(folder, start, stop))
+        elif kind != 120:  # b"x": gone since the folder was read, or not for this listing
+            name = folder.name(start)
+            items.append((name, _Entry(fd, name, kind)))
+    return items
+
+
 def _stat_run(run: list[tuple[bytes, os.DirEntry[str]]]) -> list[os.stat_result] | None:
     """``stat`` of a run of plain files, or None if one of them failed (the walk then takes them one by one)."""
     try:
@@ -332,9 +459,9 @@ def scan_local(top: str, base: str, prefix: str, out: ListingBuilder, *, skip_to
 
     The loop is the listing's hot path (one ``stat`` per file): regular files go straight into the columns."""
     bbase = os.fsencode(base).rstrip(b"/") + b"/"
-    stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], bytes, bytes, int, frozenset[tuple[int, int]]]] = []
+    stack: list[tuple[Iterator[Item], bytes, bytes, int, frozenset[tuple[int, int]]]] = []
     try:
-        _push_dir(stack, os.fsencode(top), os.fsencode(prefix), frozenset(), only, on_error)
+        _push_dir(stack, os.fsencode(top), os.fsencode(prefix), frozenset(), only, on_error, skip=skip_top)
         _walk_local(stack, bbase, base, skip_top, out, on_error)
     finally:
         for frame in stack:
@@ -342,7 +469,8 @@ def scan_local(top: str, base: str, prefix: str, out: ListingBuilder, *, skip_to
 
 
 def _push_dir(stack: list[Any], path: bytes, rel_prefix: bytes, ancestors: frozenset[tuple[int, int]],
-              only: Collection[bytes] | None, on_error: Callable[[OSError, str], Exception]) -> None:
+              only: Collection[bytes] | None, on_error: Callable[[OSError, str], Exception], *,
+              skip: bytes = b"") -> None:
     try:
         fd = os.open(path, _DIR_FLAGS)
     except OSError as e:
@@ -352,7 +480,7 @@ def _push_dir(stack: list[Any], path: bytes, rel_prefix: bytes, ancestors: froze
         key = (st.st_dev, st.st_ino)
         if key in ancestors:
             raise SourceError(f"{os.fsdecode(path)}: symlink loop (it leads back to one of its parents)")
-        entries = _sorted_entries(fd, only)
+        entries = _compiled_entries(fd, rel_prefix, only, skip=skip) if _use_compiled() else _sorted_entries(fd, only)
     except OSError as e:
         os.close(fd)
         raise on_error(e, os.fsdecode(path)) from e
@@ -371,8 +499,15 @@ def _walk_local(stack: list[Any], bbase: bytes, base: str, skip_top: bytes, out:
     is_reg, is_dir = stat.S_ISREG, stat.S_ISDIR
     for_others = out.for_others
     while stack:
-        entries, path, rel_prefix, _fd, ancestors = stack[-1]
+        entries, path, rel_prefix, fd, ancestors = stack[-1]
         for item in entries:
+            if type(item) is _Run:  # plain files from the compiled scan, stat'ed: into the columns in one go
+                if for_others and (bad := item.unreadable_by_others()) is not None:
+                    check_for_others(path + b"/" + bad, os.stat(bad, dir_fd=fd, follow_symlinks=False))
+                out.add_run(item)
+                if item.has(b"\\"):
+                    _refuse_backslash(next(rel_prefix + n for n in item.names() if b"\\" in rel_prefix + n))
+                continue
             if isinstance(item, list):
                 if skip_top and len(stack) == 1:
                     item = [t for t in item if t[0] != skip_top]
@@ -456,9 +591,11 @@ def scan_staged(top: str | os.PathLike[str], only: Collection[bytes] | None = No
         fd = os.open(top, _DIR_FLAGS | os.O_NOFOLLOW)
     except FileNotFoundError:
         return out.listing()
-    stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], bytes, int]] = []
+    stack: list[tuple[Iterator[Item], bytes, int]] = []
     try:
-        stack.append((iter(_sorted_entries(fd, only, follow=False)), b"", fd))
+        first = _compiled_entries(fd, b"", only, staged=True) if _use_compiled() else \
+            _sorted_entries(fd, only, follow=False)
+        stack.append((iter(first), b"", fd))
         _walk_staged(stack, out, None if on_chunk is None else (on_chunk, chunk_rows))
     finally:
         for frame in stack:
@@ -468,7 +605,7 @@ def scan_staged(top: str | os.PathLike[str], only: Collection[bytes] | None = No
     return out.listing()  # empty when every file went to on_chunk
 
 
-def _walk_staged(stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], bytes, int]],
+def _walk_staged(stack: list[tuple[Iterator[Item], bytes, int]],
                  out: ListingBuilder, chunks: tuple[Callable[[Listing], None], int] | None) -> None:
     on_chunk, limit = chunks if chunks is not None else (None, 0)
     blob, ends = out.paths.blob, out.paths.ends
@@ -476,9 +613,15 @@ def _walk_staged(stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], byt
                                                        out.dev.append, out.ino.append)
     devs, dev_of = out.devs, out.dev_of
     is_reg = stat.S_ISREG
+    compiled = _use_compiled()
     while stack:
         entries, rel_prefix, fd = stack[-1]
         for item in entries:
+            if type(item) is _Run:
+                out.add_run(item)
+                if on_chunk is not None and len(ends) > limit:
+                    on_chunk(out.take_chunk())
+                continue
             if isinstance(item, list):
                 sts = _stat_run(item)
                 if sts is None:  # one was removed meanwhile: one by one
@@ -495,7 +638,8 @@ def _walk_staged(stack: list[tuple[Iterator[tuple[bytes, os.DirEntry[str]]], byt
                 except FileNotFoundError:
                     continue
                 try:
-                    children = _sorted_entries(child, follow=False)
+                    children = _compiled_entries(child, rel_prefix + name + b"/", staged=True) if compiled \
+                        else _sorted_entries(child, follow=False)
                 except BaseException:
                     os.close(child)
                     raise

@@ -188,17 +188,25 @@ def test_argument_errors_are_one_line_and_json_with_json() -> None:
     assert bad.stdout == ""
 
 
-def test_version_says_whether_the_compiled_copy_was_built(monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_version_says_whether_the_compiled_helpers_were_built(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     from stagingloader import __version__
     from stagingloader.cli.main import main
     from stagingloader.engine import copyops
+    from stagingloader.sources import listing
 
-    proc = run_cli("--version")  # this venv's install built it (`pip install -e .` with gcc at hand)
-    assert proc.returncode == 0 and proc.stdout == f"stagingloader {__version__} (compiled copy: built)\n", proc
+    proc = run_cli("--version")  # this venv's install built them (`pip install -e .` with gcc at hand)
+    assert proc.returncode == 0 and proc.stdout == f"stagingloader {__version__} (compiled helpers: built)\n", proc
+
+    def version() -> str:
+        with pytest.raises(SystemExit) as done:
+            main(["--version"])
+        assert done.value.code == 0
+        return capsys.readouterr().out
+
+    monkeypatch.setattr(listing, "fastscan", None)  # as if its build had failed
+    out = version()
+    assert out.startswith(f"stagingloader {__version__} (compiled helpers: copy built, scan not built;"), out
     monkeypatch.setattr(copyops, "fastcopy", None)  # as on a machine without a C compiler
-    with pytest.raises(SystemExit) as done:
-        main(["--version"])
-    assert done.value.code == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"stagingloader {__version__} (compiled copy: not built") and "gcc" in out, out
+    out = version()
+    assert "copy not built, scan not built;" in out and "gcc" in out, out

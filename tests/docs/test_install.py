@@ -66,11 +66,13 @@ def test_pip_install_dot_gives_a_cli_that_stages_without_torch(tmp_path: Path) -
     where = subprocess.run([str(venv / "bin/python"), "-c", "import stagingloader; print(stagingloader.__file__)"],
                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
     assert where.stdout.strip().startswith(str(venv)), where
-    # the compiled small-file copy was built by the install (a machine with a C compiler, as this one)
+    # the compiled helpers were built by the install (a machine with a C compiler, as this one)
     helper = subprocess.run([str(venv / "bin/python"), "-c", "from stagingloader.engine import copyops\n"
-                             "print(copyops.fastcopy.__file__)"], capture_output=True, text=True, cwd=tmp_path,
-                            env=env, timeout=60)
-    assert helper.returncode == 0 and helper.stdout.strip().startswith(str(venv)), helper
+                             "from stagingloader.sources import listing\n"
+                             "print(copyops.fastcopy.__file__)\nprint(listing.fastscan.__file__)"],
+                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert helper.returncode == 0, helper
+    assert all(line.startswith(str(venv)) for line in helper.stdout.split()) and len(helper.stdout.split()) == 2
 
     # what needs an extra says which one, as one error, not a ModuleNotFoundError from deep inside
     loader = subprocess.run([str(venv / "bin/python"), "-c", "import stagingloader as sl\ntry:\n    sl.DataLoader\n"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stagingloader.cache.columns import encode
@@ -37,9 +37,9 @@ def _tree(root: Path, rels: list[str]) -> dict[str, int]:
     return files
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # one path a run
 @given(trees)
-def test_the_walk_is_sorted_by_path_bytes_like_sorted_str(tmp_path_factory, rels: list[str]) -> None:  # type: ignore[no-untyped-def]
+def test_the_walk_is_sorted_by_path_bytes_like_sorted_str(tmp_path_factory, scan_path: str, rels: list[str]) -> None:  # type: ignore[no-untyped-def]
     root = tmp_path_factory.mktemp("src")
     files = _tree(root, rels)
     listing = Source(str(root)).listing()
@@ -50,7 +50,7 @@ def test_the_walk_is_sorted_by_path_bytes_like_sorted_str(tmp_path_factory, rels
     assert staged.path.same_as(listing.path) and np.array_equal(staged.size, listing.size)
 
 
-def test_the_parallel_walk_equals_the_serial_one(tmp_path: Path) -> None:
+def test_the_parallel_walk_equals_the_serial_one(tmp_path: Path, scan_path: str) -> None:
     files = {f"d{d:02d}/f{i}.bin": d + i for d in range(40) for i in range(5)}
     files.update({"d05.txt": 1, "d05/x/y.bin": 2, "top.bin": 3})  # a file sorting between a folder's files
     files.update({f"d{d:02d}-{k}": 1 for d in range(40) for k in range(2)})  # every cut point has a trap
@@ -100,7 +100,7 @@ def test_only_a_network_file_system_is_listed_by_threads() -> None:
     assert scanning.listing_threads(MountInfo("/dev/shm", "tmpfs", False)) == 0
 
 
-def test_a_link_in_a_staged_tree_is_listed_but_matches_nothing(tmp_path: Path) -> None:
+def test_a_link_in_a_staged_tree_is_listed_but_matches_nothing(tmp_path: Path, scan_path: str) -> None:
     make_tree(tmp_path / "d", {"a.bin": 3, "sub/b.bin": 4})
     os.symlink(tmp_path / "d" / "sub", tmp_path / "d" / "link")
     os.symlink(tmp_path / "d" / "a.bin", tmp_path / "d" / "z.bin")
