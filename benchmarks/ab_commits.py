@@ -6,7 +6,8 @@
     python benchmarks/ab_commits.py HEAD~3 -- stage /data/mixed --root {root} -q --json
 
 The older commit is checked out into a temporary git worktree and both trees are byte-compiled first, so
-neither run pays for compiling.  Each run is ``python -m stagingloader ARGS`` with that tree first on
+neither run pays for compiling, and their compiled helpers built (``setup.py build_ext --inplace``, where the
+commit has a setup.py).  Each run is ``python -m stagingloader ARGS`` with that tree first on
 ``sys.path``, ``{root}`` replaced by an empty folder (``--root-parent``, default /dev/shm) that is removed
 afterwards; the two alternate (base first in odd rounds, the tree first in even ones) with ``--idle`` seconds
 between.  Absolute times on a shared machine move a lot from one minute to the next; the ratio of the medians
@@ -62,6 +63,9 @@ def main() -> int:
     try:
         trees = {f"base {rev}": base, "tree": HERE}
         for tree in trees.values():
+            if (tree / "setup.py").exists():  # the compiled helpers, as that commit's install builds them
+                subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree, check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "stagingloader")], check=True,
                            stdout=subprocess.DEVNULL)
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
