@@ -2,15 +2,18 @@
  *
  * scan_dir(fd, prefix, staged) -> (paths, ends, kinds, size, mtime_ns, ino, mode, dev)
  *
- * Reads the folder open at `fd` (a descriptor the caller keeps; it is not consumed) and `fstatat`s every entry
- * by name under it without following links.  The entries come back sorted by their key, the name's bytes with a
+ * Reads the folder open at `fd` (a descriptor the caller keeps; it is not consumed) and `fstatat`s its entries
+ * by name under it without following links: every entry but a folder, which the directory entry's type names (as
+ * os.DirEntry.is_dir() answers it; the walk opens it next, and checks what it opened), and, in a source, a FIFO,
+ * socket or device, which is not listed.  The entries come back sorted by their key, the name's bytes with a
  * "/" appended for a folder (as a folder appears in its files' paths), in columns:
  *
  *   paths     bytes: `prefix` + name for each entry, one after the other
  *   ends      bytes: int64[n + 1], where each path ends in `paths` (ends[0] is 0)
  *   kinds     bytes: one letter an entry (below)
  *   size, mtime_ns, ino, mode, dev
- *             bytes: int64[n] each, from the entry's own stat (for "e", size holds the errno)
+ *             bytes: int64[n] each, from the entry's own stat (for "e", size holds the errno; 0 for an entry
+ *             not stat'ed)
  *
  * Kinds, for a source's listing (`staged` false): "f" a regular file, "d" a folder, "l" a symbolic link, "L" one that
  * leads to a folder (its key takes the "/": the walk follows links inside the source), "x" anything else, or an
@@ -86,8 +89,21 @@ static int by_key(const void *a, const void *b) {
     return (el > ol) - (el < ol);
 }
 
-static void classify(int fd, entry *e, const char *name, int staged) {
+static void classify(int fd, entry *e, const char *name, unsigned char type, int staged) {
     struct stat st;
+#ifdef DT_DIR
+    if (type == DT_DIR) { /* as os.DirEntry.is_dir() answers it: the walk opens the folder, and checks it then */
+        e->kind = 'd';
+        e->slash = 1;
+        return;
+    }
+    if (!staged && type != DT_UNKNOWN && type != DT_REG && type != DT_LNK) { /* a FIFO, socket or device */
+        e->kind = 'x';
+        return;
+    }
+#else
+    (void)type;
+#endif
     if (fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
         e->kind = errno == ENOENT ? 'x' : 'e';
         e->size = errno;
@@ -152,7 +168,11 @@ static int read_folder(int fd, int staged, folder *f) {
         e->len = len;
         memcpy(f->pool + f->used, d->d_name, len + 1);
         f->used += len + 1;
-        classify(fd, e, d->d_name, staged);
+#ifdef DT_DIR
+        classify(fd, e, d->d_name, d->d_type, staged);
+#else
+        classify(fd, e, d->d_name, 0, staged);
+#endif
     }
     rewinddir(dir); /* and left at the start, as os.scandir leaves it */
     closedir(dir);

@@ -247,20 +247,27 @@ class ListingBuilder:
         return i
 
     def add_run(self, run: _Run) -> None:
-        """Append a run of the compiled scan's files in one go (its columns sliced, nothing per file)."""
+        """Append a run of the compiled scan's files in one go (its columns sliced, nothing per file).  A folder
+        of files only, the usual case, takes the columns as they came: a few calls a folder, whatever its size."""
         folder, start, stop = run.folder, run.start, run.stop
-        a = int(folder.ends[start])
+        ends = folder.ends
+        a, b = ends[start], ends[stop]
         base = len(self.paths.blob)
-        self.paths.blob += memoryview(folder.paths)[a:int(folder.ends[stop])]
-        self.paths.ends.frombytes((folder.ends[start + 1:stop + 1] + (base - a)).tobytes())
-        self.size.frombytes(folder.size[start:stop].tobytes())
-        self.mtime.frombytes(folder.mtime[start:stop].tobytes())
-        self.ino.frombytes(folder.ino[start:stop].tobytes())
-        devs = folder.dev[start:stop]
-        if devs.min() == devs.max():
-            self.dev.extend(itertools.repeat(self.dev_of(int(devs[0])), stop - start))
+        self.paths.blob += memoryview(folder.paths)[a:b]
+        if stop - start <= 8:  # a few files: cheaper than numpy's calls
+            self.paths.ends.extend([e + (base - a) for e in ends[start + 1:stop + 1]])
+        else:
+            self.paths.ends.frombytes((np.frombuffer(ends, dtype=np.int64)[start + 1:stop + 1] + (base - a)).tobytes())
+        cut = slice(8 * start, 8 * stop)
+        whole = start == 0 and stop == len(folder.kinds)
+        self.size.frombytes(folder.size if whole else folder.size[cut])
+        self.mtime.frombytes(folder.mtime if whole else folder.mtime[cut])
+        self.ino.frombytes(folder.ino if whole else folder.ino[cut])
+        devs = folder.dev[cut]
+        if devs == devs[:8] * (stop - start):  # one device
+            self.dev.extend(itertools.repeat(self.dev_of(memoryview(devs).cast("q")[0]), stop - start))
         else:  # a file bind-mounted into the folder
-            self.dev.extend([self.dev_of(d) for d in devs.tolist()])
+            self.dev.extend([self.dev_of(d) for d in memoryview(devs).cast("q").tolist()])
 
     def take_chunk(self) -> Listing:
         """The files added so far, as a listing of their own (copied), and this builder emptied in place (the
@@ -323,22 +330,19 @@ def _is_dir(entry: os.DirEntry[str], follow: bool) -> bool:
 
 
 class _Folder:
-    """One folder as the compiled scan read it: entries sorted as their paths sort, in columns (see fastscan.c)."""
+    """One folder as the compiled scan read it: entries sorted as their paths sort, in columns (see fastscan.c),
+    kept as the bytes they came in (a folder of one file costs as little as the Python walk's)."""
 
     __slots__ = ("dev", "ends", "ino", "kinds", "mode", "mtime", "paths", "prefix_len", "size")
 
     def __init__(self, fd: int, prefix: bytes, *, staged: bool) -> None:
-        paths, ends, kinds, size, mtime, ino, mode, dev = fastscan.scan_dir(fd, prefix, staged)
-        self.paths, self.kinds, self.prefix_len = paths, kinds, len(prefix)
-        self.ends = np.frombuffer(ends, dtype=np.int64)
-        self.size = np.frombuffer(size, dtype=np.int64)
-        self.mtime = np.frombuffer(mtime, dtype=np.int64)
-        self.ino = np.frombuffer(ino, dtype=np.int64)
-        self.mode = np.frombuffer(mode, dtype=np.int64)
-        self.dev = np.frombuffer(dev, dtype=np.int64)
+        self.paths, ends, self.kinds, self.size, self.mtime, self.ino, self.mode, self.dev = \
+            fastscan.scan_dir(fd, prefix, staged)
+        self.ends = memoryview(ends).cast("q")  # int64 each, read as Python ints
+        self.prefix_len = len(prefix)
 
     def name(self, i: int) -> bytes:
-        name: bytes = self.paths[int(self.ends[i]) + self.prefix_len:int(self.ends[i + 1])]
+        name: bytes = self.paths[self.ends[i] + self.prefix_len:self.ends[i + 1]]
         return name
 
 
@@ -355,12 +359,12 @@ class _Run:
 
     def has(self, byte: bytes) -> bool:
         folder = self.folder
-        at: int = folder.paths.find(byte, int(folder.ends[self.start]), int(folder.ends[self.stop]))
+        at: int = folder.paths.find(byte, folder.ends[self.start], folder.ends[self.stop])
         return at >= 0
 
     def unreadable_by_others(self) -> bytes | None:
         """The name of the first file other users may not read, if any (a bit test on the scan's modes)."""
-        modes = self.folder.mode[self.start:self.stop]
+        modes = np.frombuffer(self.folder.mode, dtype=np.int64)[self.start:self.stop]
         bad = np.flatnonzero((modes & stat.S_IROTH) == 0)
         return self.folder.name(self.start + int(bad[0])) if len(bad) else None
 
@@ -395,6 +399,8 @@ def _compiled_entries(fd: int, prefix: bytes, only: Collection[bytes] | None = N
     an entry left out."""
     folder = _Folder(fd, prefix, staged=staged)
     kinds = folder.kinds
+    if only is None and not skip and not kinds.strip(b"fo" if staged else b"f"):  # files only (or nothing)
+        return [_Run(folder, 0, len(kinds))] if kinds else []
     if only is not None or skip:
         marked = bytearray(kinds)
         for i in range(len(kinds)):
