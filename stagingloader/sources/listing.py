@@ -292,14 +292,25 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 Item = Any  #: a walk item: one ``(name, entry)``, or a list of them (plain files next to each other)
 
 
-def _sorted_entries(fd: int, only: Collection[bytes] | None = None, *, follow: bool = True) -> list[Item]:
+def _entries(fd: int, prefix: bytes, only: Collection[bytes] | None = None, *, skip: bytes = b"",
+             staged: bool = False) -> list[Item]:
+    """A folder's items for the walks, sorted as their paths sort: from the compiled scan where it was built, else
+    from ``os.scandir``.  ``only``: the names to keep (a parallel walk's share); ``skip``: a name left out (the
+    source manifest).  A staged tree's walk (``staged``) never follows a link to sort it as a folder."""
+    if _use_compiled():
+        return _compiled_entries(fd, prefix, only, skip=skip, staged=staged)
+    return _sorted_entries(fd, only, skip=skip, follow=not staged)
+
+
+def _sorted_entries(fd: int, only: Collection[bytes] | None = None, *, skip: bytes = b"",
+                    follow: bool = True) -> list[Item]:
     """A folder's entries (by its descriptor: each ``stat`` is then an ``fstatat`` of a name, no path walk) with
     their names as bytes, in the order their paths sort (a folder as ``name/``), and the plain files between
     two folders (no link, by the entry's type) grouped in lists: they are listed in one go."""
     found = list(os.scandir(fd))  # read to the end: the iterator closes itself
     named = [(e.name.encode("utf-8", "surrogateescape"), e) for e in found]  # os.fsencode, without a call each
-    if only is not None:
-        named = [t for t in named if t[0] in only]
+    if only is not None or skip:
+        named = [t for t in named if t[0] != skip and (only is None or t[0] in only)]
     try:
         rows = [(n + b"/" if e.is_dir(follow_symlinks=follow) else n, n, e) for n, e in named]
     except OSError:  # a link that loops: not a folder here; the walk's stat names it
@@ -394,9 +405,9 @@ _STAGED_ITEMS = re.compile(rb"[fo]+|[^fo]")
 
 def _compiled_entries(fd: int, prefix: bytes, only: Collection[bytes] | None = None, *, skip: bytes = b"",
                       staged: bool = False) -> list[Item]:
-    """:func:`_sorted_entries` from the compiled scan: runs of files as :class:`_Run` (a staged tree's links and
-    other odd entries in them, already listed with size -1), anything else as ``(name, _Entry)``; ``skip`` names
-    an entry left out."""
+    """:func:`_sorted_entries` from the compiled scan (see :func:`_entries`): runs of files as :class:`_Run` (a
+    staged tree's links and other odd entries in them, already listed with size -1), anything else as
+    ``(name, _Entry)``."""
     folder = _Folder(fd, prefix, staged=staged)
     kinds = folder.kinds
     if only is None and not skip and not kinds.strip(b"fo" if staged else b"f"):  # files only (or nothing)
@@ -468,7 +479,7 @@ def scan_local(top: str, base: str, prefix: str, out: ListingBuilder, *, skip_to
     stack: list[tuple[Iterator[Item], bytes, bytes, int, frozenset[tuple[int, int]]]] = []
     try:
         _push_dir(stack, os.fsencode(top), os.fsencode(prefix), frozenset(), only, on_error, skip=skip_top)
-        _walk_local(stack, bbase, base, skip_top, out, on_error)
+        _walk_local(stack, bbase, base, out, on_error)
     finally:
         for frame in stack:
             os.close(frame[3])
@@ -486,7 +497,7 @@ def _push_dir(stack: list[Any], path: bytes, rel_prefix: bytes, ancestors: froze
         key = (st.st_dev, st.st_ino)
         if key in ancestors:
             raise SourceError(f"{os.fsdecode(path)}: symlink loop (it leads back to one of its parents)")
-        entries = _compiled_entries(fd, rel_prefix, only, skip=skip) if _use_compiled() else _sorted_entries(fd, only)
+        entries = _entries(fd, rel_prefix, only, skip=skip)
     except OSError as e:
         os.close(fd)
         raise on_error(e, os.fsdecode(path)) from e
@@ -496,7 +507,7 @@ def _push_dir(stack: list[Any], path: bytes, rel_prefix: bytes, ancestors: froze
     stack.append((iter(entries), path, rel_prefix, fd, ancestors | {key}))
 
 
-def _walk_local(stack: list[Any], bbase: bytes, base: str, skip_top: bytes, out: ListingBuilder,
+def _walk_local(stack: list[Any], bbase: bytes, base: str, out: ListingBuilder,
                 on_error: Callable[[OSError, str], Exception]) -> None:
     blob, ends = out.paths.blob, out.paths.ends
     add_end, add_size, add_mtime, add_dev, add_ino = (ends.append, out.size.append, out.mtime.append,
@@ -515,8 +526,6 @@ def _walk_local(stack: list[Any], bbase: bytes, base: str, skip_top: bytes, out:
                     _refuse_backslash(next(rel_prefix + n for n in item.names() if b"\\" in rel_prefix + n))
                 continue
             if isinstance(item, list):
-                if skip_top and len(stack) == 1:
-                    item = [t for t in item if t[0] != skip_top]
                 sts = _stat_run(item)
                 if sts is None:  # one of them failed: one by one, each error said as it always was
                     stack[-1] = (itertools.chain(item, entries), *stack[-1][1:])
@@ -529,8 +538,6 @@ def _walk_local(stack: list[Any], bbase: bytes, base: str, skip_top: bytes, out:
                     _refuse_backslash(rel_prefix + bad)
                 continue
             name, entry = item
-            if skip_top and name == skip_top and len(stack) == 1:
-                continue
             try:
                 if entry.is_symlink():
                     full = path + b"/" + name
@@ -599,9 +606,7 @@ def scan_staged(top: str | os.PathLike[str], only: Collection[bytes] | None = No
         return out.listing()
     stack: list[tuple[Iterator[Item], bytes, int]] = []
     try:
-        first = _compiled_entries(fd, b"", only, staged=True) if _use_compiled() else \
-            _sorted_entries(fd, only, follow=False)
-        stack.append((iter(first), b"", fd))
+        stack.append((iter(_entries(fd, b"", only, staged=True)), b"", fd))
         _walk_staged(stack, out, None if on_chunk is None else (on_chunk, chunk_rows))
     finally:
         for frame in stack:
@@ -619,7 +624,6 @@ def _walk_staged(stack: list[tuple[Iterator[Item], bytes, int]],
                                                        out.dev.append, out.ino.append)
     devs, dev_of = out.devs, out.dev_of
     is_reg = stat.S_ISREG
-    compiled = _use_compiled()
     while stack:
         entries, rel_prefix, fd = stack[-1]
         for item in entries:
@@ -644,8 +648,7 @@ def _walk_staged(stack: list[tuple[Iterator[Item], bytes, int]],
                 except FileNotFoundError:
                     continue
                 try:
-                    children = _compiled_entries(child, rel_prefix + name + b"/", staged=True) if compiled \
-                        else _sorted_entries(child, follow=False)
+                    children = _entries(child, rel_prefix + name + b"/", staged=True)
                 except BaseException:
                     os.close(child)
                     raise
