@@ -61,6 +61,7 @@ import os, shutil, signal, sys
 import stagingloader as sl
 from stagingloader.cache import housekeeping, layout, manifest
 from stagingloader.engine import copier, incoming
+from stagingloader.sources import listing
 step, nth, src, root = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 calls = [0]
 def killing(real):
@@ -70,8 +71,8 @@ def killing(real):
             os.kill(os.getpid(), signal.SIGKILL)
         return real(*a, **k)
     return wrapper
-where = {"listing": (os, "scandir"), "range": (copier.Copier, "_complete_range"),
-         "small-file": (copier.Copier, "_complete_batch"), "journal": (incoming.Incoming, "flush"),
+where = {"listing": (listing, "_entries"), "range": (copier.Copier, "_complete_range"),
+         "small-file": (copier.Copier, "_complete_rows"), "journal": (incoming.Incoming, "flush"),
          "manifest": (manifest.Manifest, "save"), "publish": (layout.DatasetDir, "publish"),
          "gc-version": (layout.DatasetDir, "remove_version"), "gc-unlink": (os, "unlink"),
          "gc-rmtree": (shutil, "rmtree"), "at-time": None}[step]
@@ -89,8 +90,8 @@ else:
 """
 
 KILL_POINTS = {  # step -> the calls to die at (for "at-time": milliseconds after the stage starts)
-    "listing": [1, 2, 3, 4, 5, 6],
     "range": [1, 2, 3, 4, 5],
+    "listing": [1, 2, 3, 4, 5, 6],  # a folder read (the kill tree has 8)
     "small-file": [1, 2, 3, 4, 5],  # a batch of small files handled (journaled) by the stager: 300 files in 5
     "journal": [1, 2, 3, 4, 5],
     "manifest": [1],

@@ -34,13 +34,17 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..cache import trust
+from ..cache.columns import RowArray
 from ..cache.layout import safe_join
 from ..cache.manifest import Entry
 from ..errors import NoSpaceError
+from ..sources.listing import Listing
 from ..sources.source import Source, SourceFile
-from .copyops import Buffer, EntryTuple, Item, Target, Worker, as_root_error
-from .feed import Feed, Polled, Wakeup
+from .copyops import Buffer, EntryTuple, Item, RowBatch, RowsDone, Target, Worker, as_root_error, compiled
+from .feed import Direct, Feed, Polled, Rows, Wakeup
 from .gate import Gate
 from .incoming import Incoming
 from .largefiles import LargeFile
@@ -113,8 +117,16 @@ class _Job:
     offset: int = 0
     length: int = 0
     chain: bool = False  #: the range's worker also carries the file's running digest (see largefiles)
+    rows: Any = None  #: small files as listing rows (numpy), and their columns for the worker
+    row_batch: RowBatch | None = None
+
+    @property
+    def files(self) -> int:
+        return len(self.rows) if self.rows is not None else len(self.items)
 
     def payload(self) -> tuple[str, Any]:
+        if self.row_batch is not None:
+            return "rows", self.row_batch
         if self.large is None:
             return "batch", self.items
         lf = self.large
@@ -124,6 +136,8 @@ class _Job:
 def _execute(worker: Worker, job: _Job) -> tuple[Any, BaseException | None]:
     """Run a job in this process; the result as a worker process sends it back."""
     try:
+        if job.row_batch is not None:
+            return worker.copy_rows(job.row_batch)
         if job.large is None:
             return worker.copy_batch(job.items)
         lf = job.large
@@ -236,11 +250,30 @@ class _Processes:
         out = [(self.jobs.pop(key), result) for key, result in self.pool.poll(timeout)]
         for job, _ in out:
             if job.large is None:
-                self.gate.note(len(job.items))
+                self.gate.note(job.files)
         return out
 
     def close(self, *, grace: float = 5.0) -> None:
         self.pool.close(grace=grace)
+
+
+def row_batch(listing: Listing, rows: RowArray, prefix: str) -> RowBatch:
+    """The columns a worker copies ``rows`` of ``listing`` from (see :meth:`.copyops.Worker.copy_rows`), the
+    source's files being ``prefix`` + their paths."""
+    offsets = listing.path.offsets
+    starts, ends = offsets[rows], offsets[rows + 1]
+    blob = np.frombuffer(listing.path.blob, dtype=np.uint8)
+    if int(rows[-1]) - int(rows[0]) == len(rows) - 1:  # consecutive rows: their paths are one slice
+        paths, at = blob[starts[0]:ends[-1]], np.append(starts, ends[-1]) - starts[0]
+    else:  # gathered with one index array
+        lengths = ends - starts
+        at = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=at[1:])
+        paths = blob[np.repeat(starts - at[:-1], lengths) + np.arange(at[-1])]
+    dev = listing.dev_table[listing.dev_index[rows]]
+    return (prefix, paths.tobytes(), at.astype(np.int64).tobytes(), listing.size[rows].astype(np.int64).tobytes(),
+            listing.mtime_ns[rows].astype(np.int64).tobytes(), dev.astype(np.int64).tobytes(),
+            listing.ino[rows].astype(np.int64).tobytes())
 
 
 class Copier:
@@ -278,6 +311,9 @@ class Copier:
         self._owner: dict[LargeFile, Any] = {}
         self._pulled_small = 0
         self._want_processes = False
+        self._rows: Rows | None = None  #: a plan's rows, taken as columns (see run)
+        self._row_at = 0
+        self._prefix: str | None = None  #: the local source's path prefix, for a Rows plan
 
     @property
     def worker_pids(self) -> list[int]:
@@ -285,14 +321,27 @@ class Copier:
         return [p.proc.pid for p in self._procs.pool.procs] if self._procs is not None else []
 
     # ---- driver ----------------------------------------------------------------------------
-    def run(self, files: Iterable[SourceFile] | Polled, on_done: Callable[[list[Entry]], None] | None = None) -> None:
+    def run(self, files: Iterable[SourceFile] | Polled | Rows,
+            on_done: Callable[[list[Entry]], None] | None = None) -> None:
         """Copy ``files``; on the first failure stop, clean up, and raise it.
 
         ``files`` is pulled lazily, a few batches ahead of what the workers finished; ``on_done`` is called in
-        this thread with the entries of the files renamed into ``data/`` and journaled, as they are.
+        this thread with the entries of the files renamed into ``data/`` and journaled, as they are.  A
+        :class:`~.feed.Rows` plan from a local folder goes to the workers as the listing's columns, a batch of
+        small files copied, renamed and journaled by one call of the compiled helper (no object per file
+        anywhere: the stager's per-file work was as much CPU as the workers' own for 4 KiB files); where that
+        does not apply (no compiled helper, a source manifest's digests to check, ``on_done``), the rows
+        are made into files one by one (``Incoming.track``).
         """
-        self._feed = Feed(files, self._wakeup)
         self._on_done = on_done
+        if isinstance(files, Rows):  # as columns where the compiled copy can take them, else file by file
+            if self._by_rows():
+                self._rows, self._prefix = files, self.source.local_prefix()
+                self.incoming.track_rows(files.listing)
+                files = []
+            else:
+                files = Direct(self.incoming.track(files.listing, files.rows))
+        self._feed = Feed(files, self._wakeup)
         if not self.source.is_local:
             s = self.settings
             self._threads = _Threads(s.workers, self._worker, self._wakeup, s.range_bytes_in_flight // s.range_size)
@@ -308,6 +357,12 @@ class Copier:
             self._shut_down()
         if self._error is not None:
             raise self._error
+
+    def _by_rows(self) -> bool:
+        """Whether a :class:`~.feed.Rows` plan can go to the workers as columns (see :meth:`run`)."""
+        return (self.source.is_local and self.source.local_prefix() is not None and compiled()
+                and not self._worker.pure and not self.expected
+                and self._on_done is None and self.incoming.on_record is None)
 
     def _processes_allowed(self) -> int:
         n = self.settings.processes
@@ -377,6 +432,9 @@ class Copier:
         for job, result in results:
             if job.large is not None:
                 self._complete_range(job, result)
+                continue
+            if job.rows is not None:
+                self._complete_rows(job, result)
                 continue
             got, err = result
             if got:
@@ -475,6 +533,8 @@ class Copier:
         """A batch of the next small files, or the first range of the next large file (then ``proc``'s)."""
         if self._queued:
             return self._queued.popleft()
+        if self._rows is not None:
+            return self._next_from_rows(proc)
         s = self.settings
         batch = self._batch
         feed = self._feed
@@ -495,12 +555,7 @@ class Copier:
                     feed.ask(max(1, s.small_batch_files - len(batch.items), idle))
                 break
             if f.size > s.large_threshold:
-                self._want_processes = True
-                lf = LargeFile(f, self.source.local_path(f.rel), self.incoming, s.range_size,
-                               local=self.source.is_local)
-                self._large.append(lf)
-                self._handing[lf] = lf.ranges()
-                self._owner[lf] = proc
+                lf = self._open_large(f, proc)
                 if batch.items:  # hand out the small files gathered so far first
                     self._batch = _Job()
                     return batch
@@ -526,6 +581,46 @@ class Copier:
         if batch.items:
             self._batch = _Job()
             return batch
+        return None
+
+    def _open_large(self, f: SourceFile, proc: Any) -> LargeFile:
+        """Start copying the large file ``f``: its ranges go to ``proc`` (see :meth:`_next_job`)."""
+        self._want_processes = True
+        lf = LargeFile(f, self.source.local_path(f.rel), self.incoming, self.settings.range_size,
+                       local=self.source.is_local)
+        self._large.append(lf)
+        self._handing[lf] = lf.ranges()
+        self._owner[lf] = proc
+        return lf
+
+    def _next_from_rows(self, proc: Any) -> _Job | None:
+        """:meth:`_next_from_feed` for a :class:`~.feed.Rows` plan: the next batch of small files as columns (up
+        to ``small_batch_files`` or ``batch_bytes``), or the first range of the next large file."""
+        s, plan = self.settings, self._rows
+        assert plan is not None and self._prefix is not None
+        listing, rows = plan.listing, plan.rows
+        while self._row_at < len(rows) and not self.stop.is_set():
+            chunk = rows[self._row_at:self._row_at + s.small_batch_files]
+            sizes = listing.size[chunk]
+            large = np.flatnonzero(sizes > s.large_threshold)
+            if large.size and large[0] == 0:  # a large file: by ranges, as from any feed
+                row = int(chunk[0])
+                self._row_at += 1
+                f = listing.row(row)
+                self.incoming.expect(listing, f.rel, row)
+                job = self._next_range(self._open_large(f, proc), proc)
+                if job is not None:
+                    return job
+                continue
+            ends = np.cumsum(sizes[:large[0] if large.size else len(chunk)])
+            n = min(len(ends), int(np.searchsorted(ends, s.batch_bytes)) + 1)  # the file that reaches the bytes too
+            chunk = chunk[:n]
+            self._row_at += n
+            self._pulled_small += n
+            if self._pulled_small >= s.process_min_files:
+                self._want_processes = True
+            return _Job(rows=chunk, nbytes=int(ends[n - 1]), row_batch=row_batch(listing, chunk, self._prefix))
+        self._exhausted = True
         return None
 
     def _next_range(self, lf: LargeFile, proc: Any) -> _Job | None:
@@ -555,6 +650,20 @@ class Copier:
             if self._on_done is not None:
                 assert entries is not None
                 self._on_done(entries)
+        if err is not None:
+            self._fail(err)
+
+    def _complete_rows(self, job: _Job, result: tuple[RowsDone | None, BaseException | None]) -> None:
+        got, err = result
+        if got is not None:
+            copied, sizes_b, mtimes_b, digests, lines = got
+            ok = np.frombuffer(copied, dtype=bool)
+            sizes, mtimes = np.frombuffer(sizes_b, dtype=np.int64)[ok], np.frombuffer(mtimes_b, dtype=np.int64)[ok]
+            digest = np.frombuffer(digests, dtype=np.uint8).reshape(-1, 16)[ok]
+            self.incoming.record_rows(job.rows[ok], sizes, mtimes, digest, lines)
+            nbytes = int(sizes.sum())
+            self.progress.add_files(len(sizes), nbytes)
+            self.bytes_copied += nbytes
         if err is not None:
             self._fail(err)
 
@@ -591,4 +700,4 @@ class Copier:
             self._on_done([entry])
 
 
-__all__ = ["Copier", "CopySettings", "Progress", "as_root_error", "usable_cores"]
+__all__ = ["Copier", "CopySettings", "Progress", "as_root_error", "row_batch", "usable_cores"]

@@ -26,9 +26,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import logging
 import mmap
 import os
+import re
 import stat
 import threading
 from collections.abc import Callable
@@ -84,6 +86,29 @@ class StopFlag(Protocol):
 EntryTuple = tuple[str, int, int, str, str]
 #: a small file to copy: the listed file, where it is (a local path; for messages otherwise), its expected digest
 Item = tuple[SourceFile, str, str]
+#: small local files as the listing's columns (see :meth:`Worker.copy_rows`): the source's path prefix (the
+#: source folder and "/"), their paths' bytes, the int64 offsets of each path in them (one more than the files),
+#: and their int64 sizes, mtimes, devices and inodes, each column as bytes (a worker process has no numpy)
+RowBatch = tuple[str, bytes, bytes, bytes, bytes, bytes, bytes]
+#: what :meth:`Worker.copy_rows` copied: a byte a file, 1 where copied, the sizes and mtimes copied (int64 bytes),
+#: the digests (16 raw bytes each) and the journal lines of the copied files ('\n' between them)
+RowsDone = tuple[bytes, bytes, bytes, bytes, str]
+
+NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f]')
+
+
+def _json_str(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False) if NEEDS_ESCAPE.search(text) else f'"{text}"'
+
+
+def journal_line(path: str, size: int, mtime_ns: int, etag: str, digest: str) -> str:
+    """One line of ``incoming/journal.jsonl``: the JSON list ``[path, size, mtime_ns, etag, digest]``;
+    ``json.dumps`` only for the strings that need escaping (it cost the stager 5 us a file)."""
+    return f"[{_json_str(path)}, {size}, {mtime_ns}, {_json_str(etag) if etag else chr(34) * 2}, \"{digest}\"]"
+
+
+#: fastcopy.copy_rows's status of a file (see fastcopy.c)
+_COPIED, _UNUSUAL, _WRITTEN, _COPIED_UNQUOTED = 0, 1, 3, 4
 
 
 Buffer = bytes | memoryview
@@ -123,7 +148,7 @@ class Worker:
         #: and a hash of the written pages), by sendfile elsewhere (ext4: 0.6x the CPU of the buffer's writes)
         self._range_buffer: bool | None = None
         #: the Python path even where the compiled one is built: for comparisons, and a way out should it misbehave
-        self._pure = bool(os.environ.get("STAGINGLOADER_PURE_PYTHON"))
+        self.pure = bool(os.environ.get("STAGINGLOADER_PURE_PYTHON"))
         self._read_size = 0  #: the most one read of the source asks for (see FUSE_READ); set at the first read
         self._names = 0
         self._lock = threading.Lock()
@@ -156,7 +181,7 @@ class Worker:
         err: BaseException | None = None
         quick = self.remote is None
         # the compiled copy's buffer: as much of it as one read asks of this source (None: the Python path)
-        view = self.source_view(items[0][1]) if quick and fastcopy is not None and not self._pure and items else None
+        view = self.source_view(items[0][1]) if quick and fastcopy is not None and not self.pure and items else None
         for f, path, want in items:
             if self.stop.is_set():
                 break
@@ -188,6 +213,60 @@ class Worker:
             except BaseException as e:  # what is not renamed stays a temp file: swept, copied again
                 err = err or as_root_error(e)
         return done, err
+
+    def copy_rows(self, batch: RowBatch) -> tuple[RowsDone | None, BaseException | None]:
+        """Copy a batch of small local files given as the listing's columns (no expected digests to check): the
+        compiled helper copies, renames and journals the usual ones in one call, with no Python object per file
+        (with fsync, all are written, then made durable by one ``syncfs``, then renamed, as :meth:`copy_batch`);
+        a file it finds unusual (changed, larger than the buffer, an error) is copied here the careful way, one
+        whose folder is not made yet is renamed here, one whose path JSON escapes is journaled here.  Returns
+        what was copied (None if nothing was: the run was stopped) and the error that stopped the batch."""
+        prefix, blob, offsets_b, sizes_b, mtimes_b, devs_b, inos_b = batch
+        if self.stop.is_set():
+            return None, None
+        offsets = memoryview(offsets_b).cast("q")
+        n = len(offsets) - 1
+        first = self.reserve_names(n)
+        if fastcopy is not None and not self.pure:
+            status, size_b, mtime_b, digest_b, journal = fastcopy.copy_rows(
+                os.fsencode(prefix), os.fsencode(f"{self.data}/"), os.fsencode(self.partial), first, blob, offsets_b,
+                sizes_b, devs_b, inos_b, self.source_view(prefix or "."), stable.opens_as_root(), self.target.fsync)
+            lines = [journal.decode("ascii")] if journal else []
+        else:  # every file the Python way
+            status, size_b, mtime_b, digest_b, lines = bytes([_UNUSUAL]) * n, bytes(8 * n), bytes(8 * n), \
+                bytes(16 * n), []
+        ok = bytearray(status[i] in (_COPIED, _COPIED_UNQUOTED) for i in range(n)) if status.count(0) < n else \
+            bytearray(b"\x01") * n
+        got_size, got_mtime, digests = bytearray(size_b), bytearray(mtime_b), bytearray(digest_b)
+        sizes, mtimes, devs, inos = (memoryview(b).cast("q") for b in (sizes_b, mtimes_b, devs_b, inos_b))
+        got_sizes, got_mtimes = memoryview(got_size).cast("q"), memoryview(got_mtime).cast("q")
+        err: BaseException | None = None
+        for i in (i for i in range(n) if status[i] != _COPIED) if status.count(0) < n else ():
+            rel = bytes(blob[offsets[i]:offsets[i + 1]]).decode("utf-8", "surrogateescape")
+            path, final = f"{prefix}{rel}", f"{self.data}/{rel}"
+            try:
+                if status[i] == _UNUSUAL:  # the careful way, which retries or says what is wrong
+                    if self.stop.is_set():
+                        break
+                    f = SourceFile(rel, sizes[i], mtimes[i], "", devs[i], inos[i])
+                    sync = self.target.fsync
+                    got = self._quick_write(f, path, sync=sync) if f.size < QUICK_MAX else None
+                    tmp, entry = got if got is not None else self._careful_write(f, path, sync=sync)
+                    self.publish(path, tmp, final, entry[4], "")
+                    got_sizes[i], got_mtimes[i], digest = entry[1], entry[2], entry[4]
+                    digests[16 * i:16 * i + 16] = bytes.fromhex(digest[len(dg.PREFIX):])
+                else:
+                    digest = dg.PREFIX + digests[16 * i:16 * i + 16].hex()
+                    if status[i] == _WRITTEN:  # whole and verified: its folder is made here
+                        self.publish(path, f"{self.partial}{first + i}.tmp", final, digest, "")
+                lines.append(journal_line(rel, got_sizes[i], got_mtimes[i], "", digest))
+                ok[i] = 1
+            except BaseException as e:  # handed to the caller, which re-raises it
+                err = as_root_error(e)
+                break
+        if not any(ok):
+            return None, err
+        return (bytes(ok), bytes(got_size), bytes(got_mtime), bytes(digests), "\n".join(lines)), err
 
     def copy_small(self, f: SourceFile, path: str, want: str) -> EntryTuple:
         """Copy one small file (``path``: where a local source has it) and rename it into ``data/``."""
@@ -295,6 +374,10 @@ class Worker:
         return tmp, (f.rel, size, mtime_ns, etag, digest)
 
     def new_name(self) -> str:
+        return str(self.reserve_names(1))
+
+    def reserve_names(self, n: int) -> int:
+        """The first of ``n`` temp names (numbers) for this worker's folder under ``.partial``, made at the first."""
         with self._lock:
             if not self._partial_made:
                 with contextlib.suppress(FileExistsError):
@@ -303,8 +386,9 @@ class Worker:
                     raise RootError(f"{self.partial} is not a folder: the cache was tampered with; remove "
                                     f"{self.target.incoming} and stage again")
                 self._partial_made = True
-            self._names += 1
-            return str(self._names)
+            first = self._names + 1
+            self._names += n
+            return first
 
     def _read_local(self, f: SourceFile, path: str, out_fd: int) -> tuple[int, int, str]:
         """Copy a local file into ``out_fd``; return the (mtime_ns, size, digest) copied.

@@ -1,10 +1,10 @@
 """The files a copy run is given, pulled lazily: only as many as the copier asks for.
 
-A list, or an iterable wrapped in :class:`Direct` (what a stage copies: the rows of its plan), is read
-directly, in the copier's thread, and so is a :class:`Polled` source (a streaming run's schedule), which answers
-at once whether a file is there now.  Any other iterable, such as the rows a stage with peers is told to read
-as the other nodes answer, is pulled in a thread of its own, one file per credit the copier grants: it may block
-while the copier goes on collecting the workers' results.
+A list, or an iterable wrapped in :class:`Direct`, is read directly, in the copier's thread, and so are a
+:class:`Rows` plan (what a stage copies: the rows of its plan, as columns) and a :class:`Polled` source (a
+streaming run's schedule), which answers at once whether a file is there now.  Any other iterable, such as
+the rows a stage with peers is told to read as the other nodes answer, is pulled in a thread of its own, one
+file per credit the copier grants: it may block while the copier goes on collecting the workers' results.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import socket
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 
+from ..cache.columns import RowArray
+from ..sources.listing import Listing
 from ..sources.source import SourceFile
 
 
@@ -51,6 +53,15 @@ class Direct(Iterator[SourceFile]):
 
     def __next__(self) -> SourceFile:
         return next(self._it)
+
+
+class Rows:
+    """Rows of a listing to copy, in order, for a copier that takes them as columns (a blocking stage's plan):
+    no object is made per file (see :meth:`.copier.Copier.run`)."""
+
+    def __init__(self, listing: Listing, rows: RowArray) -> None:
+        self.listing = listing
+        self.rows = rows
 
 
 class Polled(abc.ABC):

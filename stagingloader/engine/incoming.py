@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import stat
 import threading
 import time
@@ -35,6 +34,7 @@ from ..cache.manifest import Entry
 from ..fsio import atomic_write
 from ..sources.files import DataFolders
 from ..sources.listing import Listing, SourceFile
+from .copyops import NEEDS_ESCAPE, journal_line
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,24 +58,13 @@ def partial_id(rel: str) -> str:
 
 
 _PREFIX_LEN = len(dg.PREFIX)
-_NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f]')
-
-
-def _json_str(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False) if _NEEDS_ESCAPE.search(text) else f'"{text}"'
 
 
 def journal_lines(done: list[tuple[str, int, int, str, str]]) -> list[str]:
     """:func:`journal_line` of each tuple: in one pass when no path or ETag needs escaping (the usual case)."""
-    if not any([t[3] for t in done]) and not _NEEDS_ESCAPE.search("".join([t[0] for t in done])):
+    if not any([t[3] for t in done]) and not NEEDS_ESCAPE.search("".join([t[0] for t in done])):
         return [f'["{p}", {size}, {mtime}, "", "{digest}"]' for p, size, mtime, _, digest in done]
     return [journal_line(*t) for t in done]
-
-
-def journal_line(path: str, size: int, mtime_ns: int, etag: str, digest: str) -> str:
-    """One journal line: the JSON list ``[path, size, mtime_ns, etag, digest]``; ``json.dumps`` only for the
-    strings that need escaping (it cost the stager 5 us a file)."""
-    return f"[{_json_str(path)}, {size}, {mtime_ns}, {_json_str(etag) if etag else chr(34) * 2}, \"{digest}\"]"
 
 
 class Incoming:
@@ -160,6 +149,30 @@ class Incoming:
             self.flush()
         if self.on_record is not None:
             self.on_record(entries if entries is not None else [Entry(*t) for t in recorded])
+
+    def track_rows(self, listing: Listing) -> None:
+        """Rows of ``listing`` will be recorded by :meth:`record_rows` (a blocking local stage's batches)."""
+        self._use(listing)
+
+    def record_rows(self, rows: RowArray, sizes: Int64Array, mtimes: Int64Array, digests: npt.NDArray[np.uint8],
+                    lines: str) -> None:
+        """Journal the files at ``rows`` of the tracked listing, copied with these sizes, mtimes and raw digests
+        (a row of 16 bytes each), whose journal ``lines`` the copy worker wrote: a batch in a few array
+        operations."""
+        if not len(rows):
+            return
+        with self._lock:
+            listing = self._listing
+            assert listing is not None
+            self._have[rows] = True
+            self._digest[rows] = digests
+            odd = (sizes != listing.size[rows]) | (mtimes != listing.mtime_ns[rows])
+            for i in np.flatnonzero(odd).tolist():  # changed since the listing: what was copied is recorded
+                self._changed[int(rows[i])] = (int(sizes[i]), int(mtimes[i]), "")
+            self._buffer.append(lines)
+            due = len(self._buffer) >= self.FLUSH_EVERY or time.monotonic() - self._last_flush > self.FLUSH_SECONDS
+        if due:
+            self.flush()
 
     def journal(self, entries: list[Entry]) -> None:
         """Journal ``entries`` without filing them (files whose entries the caller already holds: hard links)."""

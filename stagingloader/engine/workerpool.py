@@ -262,6 +262,9 @@ def main(conn: Connection) -> None:
                 if kind == "batch":
                     done, err = worker.copy_batch(payload)
                     result = (done, _portable(err))
+                elif kind == "rows":
+                    got, err = worker.copy_rows(payload)
+                    result = (got, _portable(err))
                 else:
                     result = (worker.copy_range(*payload), None)
             except BaseException as e:  # a range's error, or a bug: sent back with its type

@@ -297,6 +297,12 @@ class Source:
     def local_path(self, rel: str) -> str:
         return self.path_of(rel)
 
+    def local_prefix(self) -> str | None:
+        """What :meth:`local_path` puts before a relative path (None for a source of one file)."""
+        if self._single:
+            return None
+        return f"{self.base}/" if self.base else ""
+
     def read_manifest(self) -> Manifest | None:
         """The source's own digest manifest (``stagingloader manifest``), if it has one (read once: 0.9 s at
         1.28 M files)."""

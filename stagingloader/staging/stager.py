@@ -33,7 +33,7 @@ from ..cache.locking import DatasetLock
 from ..cache.manifest import Entry, Manifest
 from ..cache.registry import remember_root
 from ..engine.copier import Copier, CopySettings, Progress, as_root_error, usable_cores
-from ..engine.feed import Direct
+from ..engine.feed import Rows
 from ..engine.incoming import Incoming
 from ..errors import CacheError, InternalError, ManifestError, NoSpaceError, RootError, UsageError
 from ..sources.listing import Listing
@@ -582,7 +582,7 @@ def _build_version(run: StageRun, lp: LockedPlan, progress: Progress, version: s
     settings = CopySettings(workers=run.workers, fsync=incoming.fsync, processes=run.opts.workers)
     copier = Copier(run.source, incoming, settings, expected=lp.expected, progress=progress, stop=threading.Event())
     try:
-        copier.run(Direct(incoming.track(run.listing, to_copy)))
+        copier.run(Rows(run.listing, to_copy))
     except BaseException:
         with contextlib.suppress(OSError):  # e.g. a full disk: the copier's error is the one to report
             incoming.close()

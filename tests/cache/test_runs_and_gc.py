@@ -132,14 +132,14 @@ _KILL_AFTER_BATCHES = """
 import os, signal, sys
 import stagingloader as sl
 from stagingloader.engine import copier
-real = copier.Copier._complete_batch
+real = copier.Copier._complete_rows
 calls = [0]
 def batch(self, *a, **k):
     calls[0] += 1
     if calls[0] > 2:
         os.kill(os.getpid(), signal.SIGKILL)
     return real(self, *a, **k)
-copier.Copier._complete_batch = batch
+copier.Copier._complete_rows = batch
 sl.stage(sys.argv[1], sys.argv[2], workers=1)
 """
 

@@ -223,13 +223,13 @@ _KILL_PARENT = """
 import os, signal, sys
 import stagingloader as sl
 from stagingloader.engine import copier
-real = copier.Copier._complete_batch
+real = copier.Copier._complete_rows
 def batch(self, *a, **k):
     if self.worker_pids:
         print(" ".join(map(str, self.worker_pids)), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     return real(self, *a, **k)
-copier.Copier._complete_batch = batch
+copier.Copier._complete_rows = batch
 sl.stage(sys.argv[1], sys.argv[2])
 """
 
