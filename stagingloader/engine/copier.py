@@ -40,6 +40,7 @@ from ..cache import trust
 from ..cache.columns import RowArray
 from ..cache.layout import safe_join
 from ..cache.manifest import Entry
+from ..cache.tiers import mount_of
 from ..errors import NoSpaceError
 from ..sources.listing import Listing
 from ..sources.source import Source, SourceFile
@@ -233,12 +234,15 @@ class _Processes:
     def in_flight(self) -> int:
         return len(self.jobs)
 
-    def free(self) -> Any:
-        """The least busy ready worker the gate lets run, or None."""
+    def free(self) -> list[Any]:
+        """The ready workers the gate lets run that can take another job, least busy first."""
         if self.gate.limit > self.pool.started:
             self.pool.grow(self.gate.limit)
-        free = [p for p in self.pool.ready(self.gate.limit) if len(p.jobs) < DEPTH]
-        return min(free, key=lambda p: len(p.jobs)) if free else None
+        return sorted((p for p in self.pool.ready(self.gate.limit) if len(p.jobs) < DEPTH), key=lambda p: len(p.jobs))
+
+    def running(self) -> list[Any]:
+        """The workers the gate lets run (ready or starting)."""
+        return self.pool.procs[:self.gate.limit]
 
     def submit(self, proc: Any, job: _Job) -> None:
         self._keys += 1
@@ -314,6 +318,7 @@ class Copier:
         self._rows: Rows | None = None  #: a plan's rows, taken as columns (see run)
         self._row_at = 0
         self._prefix: str | None = None  #: the local source's path prefix, for a Rows plan
+        self._network: bool | None = None  #: a local source on a network file system (see _help_reads)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -382,10 +387,13 @@ class Copier:
                 busy = True
             return busy
         procs = self._procs
-        if procs is not None:
-            while (proc := procs.free()) is not None and (job := self._next_job(proc)) is not None:
-                procs.submit(proc, job)
-                busy = True
+        while procs is not None:  # each job to the least busy worker that has one (a large file's ranges go to
+            # the worker copying it, so the least busy may have none while another does)
+            proc, job = next(((p, j) for p in procs.free() if (j := self._next_job(p)) is not None), (None, None))
+            if proc is None or job is None:
+                break
+            procs.submit(proc, job)
+            busy = True
         if (procs is None or not procs.ready) and not self._inline:  # copy here while no worker process is up
             job = self._next_job()
             if job is not None:
@@ -509,7 +517,8 @@ class Copier:
         A large file's ranges go to the worker that opened it, and a worker with none left takes the next file:
         two processes writing one file contend for its inode lock, which doubled the system time of a tmpfs copy
         here (1.13 CPU-s per GiB against 0.55 for two files).  Only when no new file is there to take does an
-        idle worker take ranges of another's file.
+        idle worker take ranges of another's file, and then only from a network file system (:meth:`_help_reads`)
+        or when that file's worker no longer runs (:meth:`_runs`).
         """
         for lf in list(self._handing):
             owner = self._owner[lf]
@@ -521,13 +530,27 @@ class Copier:
         job = self._next_from_feed(proc)
         if job is not None or proc is None:
             return job
-        # nothing new to take: help with the file that has the most ranges left
-        while self._handing:
-            lf = max(self._handing, key=lambda x: x.file.size - x.handed_out)
-            job = self._next_range(lf, proc)
+        # nothing new to take: help with the file that has the most ranges left, where that helps
+        while helped := [lf for lf in self._handing if self._help_reads() or not self._runs(self._owner[lf])]:
+            job = self._next_range(max(helped, key=lambda x: x.file.size - x.handed_out), proc)
             if job is not None:
                 return job
         return None
+
+    def _help_reads(self) -> bool:
+        """Whether a worker with nothing to do helps copy another's large file: where the source is a network
+        file system, whose reads of two ranges overlap their round trips.  From a local disk or memory it waits:
+        writes into one file serialize on its inode lock, so the help saved no time and cost CPU (the waiter
+        spins on the lock, and the file is hashed again by the stager): one 1 GiB file into tmpfs took 0.95-1.06 s
+        and 1.56-1.68 CPU-s with help, 1.03-1.11 s and 1.44-1.49 CPU-s without."""
+        if self._network is None:
+            self._network = self.source.is_local and mount_of(self.source.local_path("")).is_network
+        return self._network
+
+    def _runs(self, owner: Any) -> bool:
+        """Whether ``owner`` (a worker process; None: this process) will ask for jobs again: one the gate has
+        since stopped letting run will not, and its file's ranges go to the others."""
+        return owner is None or self._procs is None or owner in self._procs.running()
 
     def _next_from_feed(self, proc: Any) -> _Job | None:
         """A batch of the next small files, or the first range of the next large file (then ``proc``'s)."""

@@ -71,7 +71,7 @@ def test_rows_stage_what_the_file_by_file_batch_stages(tmp_path: Path, copy_path
 
     ref_worker, ref_incoming = _worker(tmp_path / "batch")  # the file-by-file batch, the reference
     done, err = ref_worker.copy_batch([(f, f"{src}/{f.rel}", "") for f in listing])
-    assert err is None
+    assert err is None and tree_digests(ref_incoming.data) == want
     assert _journal(lines) == {rel: (size, mtime, etag, digest) for rel, size, mtime, etag, digest in done}
     assert lines.split("\n") and sorted(lines.split("\n")) == sorted(journal_line(*t) for t in done)
     raw = np.frombuffer(digests, dtype=np.uint8).reshape(-1, 16)
