@@ -475,7 +475,7 @@ class Worker:
         read error retries the range from its start, with the running digest as it was before it."""
         fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            running = self._chained(tmp, offset) if chain else None
+            running = self._chained(tmp, offset, fd) if chain else None
             if self.remote is not None:
                 data = memoryview(self.remote.read_range(f.rel, offset, offset + length, f.etag))
                 if len(data) != length:
@@ -546,11 +546,16 @@ class Worker:
             digest = dg.digest_bytes(m)  # type: ignore[arg-type]
         return digest, self._chain_end(tmp, running, offset + length, f.size), []
 
-    def _chained(self, tmp: str, offset: int) -> xxhash.xxh3_128 | None:
-        """The running digest of ``tmp``'s file if this worker hashed every byte before ``offset``, else None."""
+    def _chained(self, tmp: str, offset: int, fd: int) -> xxhash.xxh3_128 | None:
+        """The running digest of ``tmp``'s file (open as ``fd``) if this worker hashed every byte before ``offset``,
+        else None.  A worker handed the chain in the middle of the file (its first ranges were copied by the
+        stager while the workers started, and are all written: see ``LargeFile.hand_out``) hashes them back once,
+        from their pages, rather than the stager hashing the whole file again."""
         with self._lock:
             if offset == 0:
                 self._chains[tmp] = (dg.new_hasher(), 0)
+            elif tmp not in self._chains:
+                self._chains[tmp] = (hash_written(fd, 0, offset)[0], offset)
             hasher, upto = self._chains.get(tmp, (None, -1))
             return hasher if upto == offset else None
 

@@ -5,10 +5,11 @@ reused buffer and hashes the bytes there, both for the range's digest (the ``.ra
 killed copy resumes) and into the file's running digest; with the last range
 it sends the file's xxh3-128 digest, the one the manifest records.  The stager's process reads none of it.
 
-When the ranges cannot all come from one worker in order (another worker helps with the last file, the stager
-copied the first ranges while the workers started, ranges of an interrupted run are reused, or a remote source's
-threads copy them in any order), the chain is *broken*: the stager then hashes the file itself, in order, as the
-ranges before them finish.  A remote range comes back with its bytes (the client's buffer), and up to
+When the stager copied a file's first ranges while the workers started, the worker that takes the file over
+carries the chain on, after hashing those ranges back from the temp file once.  When the ranges cannot all come
+from one worker in order (another worker helps with the last file from a network file system, ranges of an
+interrupted run are reused, or a remote source's threads copy them in any order), the chain is *broken*: the
+stager then hashes the file itself, in order, as the ranges before them finish.  A remote range comes back with its bytes (the client's buffer), and up to
 :data:`HELD_RANGES` of them per file that finished ahead of their turn wait in memory for it: hashing them there
 costs a quarter of hashing them again from a mapping of the written pages (page faults, and a cold read).  Any
 other range is hashed from a read-only mapping of the temp file.
@@ -123,6 +124,9 @@ class LargeFile:
         self.handed_out = offset + length
         if self.chain is _NOBODY and offset == 0 and in_order:
             self.chain = executor
+        elif self.chain is None and executor is not None and in_order and offset == self.next_offset:
+            self.chain = executor  # from this process, which copied the first ranges while the workers started,
+            # to a worker, which hashes those back once (all are written: every range before is finished)
         if self.chained and self.chain is executor:
             return True
         self.break_chain()

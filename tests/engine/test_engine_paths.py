@@ -403,6 +403,32 @@ def test_a_large_file_copied_in_order_by_one_worker_is_hashed_there_not_read_aga
     assert tree_digests(incoming.data) == tree_digests(src)
 
 
+def test_a_file_the_stager_began_is_carried_on_by_the_worker_that_takes_it_over(tmp_path: Path) -> None:
+    """The stager copies a large file's first ranges while the workers start; the worker that takes the file
+    over hashes those back once and carries the file's digest on, so the stager never hashes the file."""
+    from stagingloader.engine.copyops import Worker
+
+    kib = 64 << 10
+    src = make_tree(tmp_path / "src", {"a.bin": 5 * kib + 3})
+    copier, incoming, listing = _copier(src, tmp_path, range_size=kib, large_threshold=kib - 1)
+    copier._feed = Feed(listing, Wakeup())
+    process = Worker(copier._target, threading.Event())
+    workers: dict[object, Worker] = {None: copier._worker, "process": process}
+    plan: list[object] = [None, None, "process", "process", "process", "process"]
+    chained = []
+    for who in plan:  # each job finished (and handled) before the next is handed out, as the dispatcher does
+        job = copier._next_job(who)
+        assert job is not None and job.large is not None
+        chained.append(job.chain)
+        copier._complete_range(job, (workers[who].copy_range(*job.payload()[1]), None))
+    assert copier._next_job("process") is None
+    incoming.close()
+    assert chained == [True] * 6, "the chain was broken at the hand-over"
+    (lf,) = copier._large
+    assert lf.hashed == 0, "the stager hashed the file again"
+    assert {e.path: e.digest for e in incoming.entries} == tree_digests(src)
+
+
 @pytest.mark.parametrize("into", ["tmpfs", "disk"])
 def test_a_retried_range_feeds_the_running_digest_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        into: str) -> None:
