@@ -9,10 +9,10 @@ When the stager copied a file's first ranges while the workers started, the work
 carries the chain on, after hashing those ranges back from the temp file once.  When the ranges cannot all come
 from one worker in order (another worker helps with the last file from a network file system, ranges of an
 interrupted run are reused, or a remote source's threads copy them in any order), the chain is *broken*: the
-stager then hashes the file itself, in order, as the ranges before them finish.  A remote range comes back with its bytes (the client's buffer), and up to
-:data:`HELD_RANGES` of them per file that finished ahead of their turn wait in memory for it: hashing them there
-costs a quarter of hashing them again from a mapping of the written pages (page faults, and a cold read).  Any
-other range is hashed from a read-only mapping of the temp file.
+stager then hashes the file itself, in order, as the ranges before them finish.  A remote range comes back with
+its bytes (the client's buffer), and up to :data:`HELD_RANGES` of them per file that finished ahead of their turn
+wait in memory for it: hashing them there costs a quarter of hashing them again from a mapping of the written
+pages (page faults, and a cold read).  Any other range is hashed from a read-only mapping of the temp file.
 
 (obstore can also stream a range in pieces, but it hands each piece over as a new Python ``bytes``: two more
 copies of every byte, into fresh pages, which cost more CPU here than the one buffer per range.)
