@@ -80,7 +80,8 @@ class Incoming:
         self.journal_path = path / "journal.jsonl"
         self.fsync = fsync
         self._lock = threading.Lock()
-        self._buffer: list[str] = []
+        self._buffer: list[str] = []  #: journal lines not written yet (an element may hold several: a batch's)
+        self._buffered = 0  #: the files in them
         self._last_flush = time.monotonic()
         self._fd: int | None = None
         self._folders = DataFolders(self.data, path)
@@ -144,7 +145,8 @@ class Incoming:
                 for i in np.flatnonzero(odd).tolist():
                     self._changed[rows[i]] = done[i][1:4]
             self._buffer.extend(lines)
-            due = len(self._buffer) >= self.FLUSH_EVERY or time.monotonic() - self._last_flush > self.FLUSH_SECONDS
+            self._buffered += len(lines)
+            due = self._buffered >= self.FLUSH_EVERY or time.monotonic() - self._last_flush > self.FLUSH_SECONDS
         if due:
             self.flush()
         if self.on_record is not None:
@@ -170,7 +172,8 @@ class Incoming:
             for i in np.flatnonzero(odd).tolist():  # changed since the listing: what was copied is recorded
                 self._changed[int(rows[i])] = (int(sizes[i]), int(mtimes[i]), "")
             self._buffer.append(lines)
-            due = len(self._buffer) >= self.FLUSH_EVERY or time.monotonic() - self._last_flush > self.FLUSH_SECONDS
+            self._buffered += len(rows)
+            due = self._buffered >= self.FLUSH_EVERY or time.monotonic() - self._last_flush > self.FLUSH_SECONDS
         if due:
             self.flush()
 
@@ -236,6 +239,7 @@ class Incoming:
                 return
             data = ("\n".join(self._buffer) + "\n").encode("utf-8", "surrogateescape")
             self._buffer.clear()
+            self._buffered = 0
             self._last_flush = time.monotonic()
             os.write(self._fd, data)
 

@@ -146,3 +146,29 @@ def test_a_stage_sends_rows_and_stages_what_the_python_path_stages(
     assert tree_digests(ds.root) == tree_digests(src)
     ds.release()
     ref.release()
+
+
+def test_a_batch_of_rows_reaches_the_journal_file_as_a_batch_of_files_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The journal is written every FLUSH_EVERY files (what a resume need not hash again), not every FLUSH_EVERY
+    batches: a batch's lines come as one string."""
+    monkeypatch.setattr(Incoming, "FLUSH_SECONDS", 3600.0)  # by count only
+    src = make_tree(tmp_path / "src", {f"f{i:03d}.bin": 100 + i for i in range(Incoming.FLUSH_EVERY + 8)})
+    listing = Source(str(src)).listing()
+    worker, incoming = _worker(tmp_path)
+    incoming.track_rows(listing)
+    few, rest = np.arange(4, dtype=np.int64), np.arange(4, len(listing), dtype=np.int64)
+    for rows in (few, rest):
+        got, err = worker.copy_rows(row_batch(listing, rows, f"{src}/"))
+        assert err is None and got is not None
+        digests = np.frombuffer(got[3], dtype=np.uint8).reshape(-1, 16)
+        incoming.record_rows(rows, np.frombuffer(got[1], dtype=np.int64), np.frombuffer(got[2], dtype=np.int64),
+                             digests, got[4])
+        if rows is few:
+            assert incoming.journal_path.read_bytes() == b"", "4 files were written before FLUSH_EVERY"
+    written = incoming.journal_path.read_text().splitlines()
+    assert sorted(json.loads(line)[0] for line in written) == list(listing.path)
+    recorded = incoming.recorded()
+    assert recorded.have.all() and not recorded.changed
+    want = tree_digests(src)
+    assert {rel: "xxh3_128:" + recorded.digest[i].tobytes().hex() for i, rel in enumerate(listing.path)} == want
