@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +15,10 @@ import pytest
 import stagingloader as sl
 from stagingloader.engine import copier as copier_mod
 from stagingloader.engine.copier import row_batch
-from stagingloader.engine.copyops import BUFFER_SIZE, Target, Worker, journal_line
+from stagingloader.engine.copyops import BUFFER_SIZE, journal_line
 from stagingloader.engine.incoming import Incoming
-from stagingloader.retry import RetryPolicy
-from stagingloader.sources import stable
 from stagingloader.sources.source import Source
+from tests.engine.conftest import WorkerAt
 from tests.support.trees import make_tree, tree_digests
 
 #: files of the shapes a dataset has, and the names the helper leaves to Python's journal line
@@ -29,17 +27,6 @@ TREE = {f"d{i % 4}/sub{i % 3}/f{i:03d}.bin": 1 + (i * 7919) % 70_000 for i in ra
     "big/over-buffer.bin": BUFFER_SIZE + 4097, "big/at-buffer.bin": BUFFER_SIZE}
 
 
-@pytest.fixture(params=["as root", "as a user"])
-def open_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(stable, "_AS_ROOT", request.param == "as root")
-    return str(request.param)
-
-
-def _worker(where: Path, fsync: bool = False) -> tuple[Worker, Incoming]:
-    incoming = Incoming(where / "incoming")
-    incoming.open()
-    target = Target(incoming=str(incoming.path), source_url="src", fsync=fsync, retry=RetryPolicy())
-    return Worker(target, threading.Event()), incoming
 
 
 def _journal(lines: str) -> dict[str, tuple[int, int, str, str]]:
@@ -56,11 +43,11 @@ def _tree(where: Path) -> Path:
 
 @pytest.mark.parametrize("fsync", [False, True])
 def test_rows_stage_what_the_file_by_file_batch_stages(tmp_path: Path, copy_path: str, open_path: str,
-                                                       fsync: bool) -> None:
+                                                       fsync: bool, worker_at: WorkerAt) -> None:
     src = _tree(tmp_path / "src")
     listing = Source(str(src)).listing()
     rows = np.arange(len(listing), dtype=np.int64)
-    worker, incoming = _worker(tmp_path / "rows", fsync)
+    worker, incoming = worker_at(tmp_path / "rows", fsync)
     got, err = worker.copy_rows(row_batch(listing, rows, f"{src}/"))
     assert err is None and got is not None
     copied, sizes, mtimes, digests, lines = got
@@ -69,7 +56,7 @@ def test_rows_stage_what_the_file_by_file_batch_stages(tmp_path: Path, copy_path
     assert tree_digests(incoming.data) == want
     assert [p.name for p in incoming.partial.rglob("*") if p.is_file()] == [], "a temp file was left behind"
 
-    ref_worker, ref_incoming = _worker(tmp_path / "batch")  # the file-by-file batch, the reference
+    ref_worker, ref_incoming = worker_at(tmp_path / "batch")  # the file-by-file batch, the reference
     done, err = ref_worker.copy_batch([(f, f"{src}/{f.rel}", "") for f in listing])
     assert err is None and tree_digests(ref_incoming.data) == want
     assert _journal(lines) == {rel: (size, mtime, etag, digest) for rel, size, mtime, etag, digest in done}
@@ -83,11 +70,11 @@ def test_rows_stage_what_the_file_by_file_batch_stages(tmp_path: Path, copy_path
         assert os.stat(incoming.data / rel).st_mtime_ns == mtime
 
 
-def test_rows_not_next_to_each_other_copy_only_those(tmp_path: Path, copy_path: str) -> None:
+def test_rows_not_next_to_each_other_copy_only_those(tmp_path: Path, copy_path: str, worker_at: WorkerAt) -> None:
     src = _tree(tmp_path / "src")
     listing = Source(str(src)).listing()
     rows = np.arange(1, len(listing), 3, dtype=np.int64)
-    worker, incoming = _worker(tmp_path)
+    worker, incoming = worker_at(tmp_path)
     got, err = worker.copy_rows(row_batch(listing, rows, f"{src}/"))
     assert err is None and got is not None
     chosen = {listing.path[int(r)] for r in rows}
@@ -95,12 +82,13 @@ def test_rows_not_next_to_each_other_copy_only_those(tmp_path: Path, copy_path: 
     assert set(_journal(got[4])) == chosen
 
 
-def test_a_file_changed_since_the_listing_is_copied_as_it_is_now(tmp_path: Path, copy_path: str) -> None:
+def test_a_file_changed_since_the_listing_is_copied_as_it_is_now(
+        tmp_path: Path, copy_path: str, worker_at: WorkerAt) -> None:
     src = make_tree(tmp_path / "src", {"a.bin": 100, "b.bin": 200, "c.bin": 300})
     listing = Source(str(src)).listing()
     with open(src / "b.bin", "ab") as out:  # the same inode, larger, a later mtime
         out.write(b"more")
-    worker, incoming = _worker(tmp_path)
+    worker, incoming = worker_at(tmp_path)
     got, err = worker.copy_rows(row_batch(listing, np.arange(3, dtype=np.int64), f"{src}/"))
     assert err is None and got is not None
     assert tree_digests(incoming.data) == tree_digests(src)
@@ -108,11 +96,12 @@ def test_a_file_changed_since_the_listing_is_copied_as_it_is_now(tmp_path: Path,
     assert list(np.frombuffer(got[1], dtype=np.int64)) == [100, 204, 300]
 
 
-def test_a_file_gone_since_the_listing_stops_the_batch_naming_it(tmp_path: Path, copy_path: str) -> None:
+def test_a_file_gone_since_the_listing_stops_the_batch_naming_it(
+        tmp_path: Path, copy_path: str, worker_at: WorkerAt) -> None:
     src = make_tree(tmp_path / "src", {"a.bin": 100, "b.bin": 200, "c.bin": 300})
     listing = Source(str(src)).listing()
     (src / "b.bin").unlink()
-    worker, incoming = _worker(tmp_path)
+    worker, incoming = worker_at(tmp_path)
     got, err = worker.copy_rows(row_batch(listing, np.arange(3, dtype=np.int64), f"{src}/"))
     assert err is not None and "b.bin" in str(err)
     assert got is not None and got[0][:2] == b"\x01\x00", "the file before it is copied and reported, not it"
@@ -149,13 +138,13 @@ def test_a_stage_sends_rows_and_stages_what_the_python_path_stages(
 
 
 def test_a_batch_of_rows_reaches_the_journal_file_as_a_batch_of_files_does(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, worker_at: WorkerAt) -> None:
     """The journal is written every FLUSH_EVERY files (what a resume need not hash again), not every FLUSH_EVERY
     batches: a batch's lines come as one string."""
     monkeypatch.setattr(Incoming, "FLUSH_SECONDS", 3600.0)  # by count only
     src = make_tree(tmp_path / "src", {f"f{i:03d}.bin": 100 + i for i in range(Incoming.FLUSH_EVERY + 8)})
     listing = Source(str(src)).listing()
-    worker, incoming = _worker(tmp_path)
+    worker, incoming = worker_at(tmp_path)
     incoming.track_rows(listing)
     few, rest = np.arange(4, dtype=np.int64), np.arange(4, len(listing), dtype=np.int64)
     for rows in (few, rest):

@@ -21,7 +21,7 @@ from stagingloader.engine.copyops import journal_line
 from stagingloader.engine.feed import Direct, Feed, Wakeup
 from stagingloader.engine.incoming import Incoming
 from stagingloader.errors import SourceError
-from stagingloader.sources import source, stable
+from stagingloader.sources import source
 from stagingloader.sources.source import Source, SourceFile
 from tests.support.trees import make_tree, tree_digests
 
@@ -133,12 +133,6 @@ def test_odd_names_are_journaled_and_resumed(tmp_path: Path) -> None:
     assert stray == 0
     assert {rel: e.digest for rel, e in done.items()} == tree_digests(src)
 
-
-@pytest.fixture(params=["as root", "as a user"])
-def open_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both ways a source file is opened: through O_PATH (root), or at once and checked (anyone else)."""
-    monkeypatch.setattr(stable, "_AS_ROOT", request.param == "as root")
-    return str(request.param)
 
 
 @pytest.mark.parametrize("swap", ["link", "fifo"])

@@ -4,33 +4,20 @@ refuse the same swapped files, and leave nothing behind when they give up."""
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import pytest
 
-from stagingloader.engine.copyops import BUFFER_SIZE, Target, Worker
+from stagingloader.engine.copyops import BUFFER_SIZE
 from stagingloader.engine.incoming import Incoming
 from stagingloader.errors import SourceChangedError
-from stagingloader.retry import RetryPolicy
-from stagingloader.sources import stable
 from stagingloader.sources.source import Source
+from tests.engine.conftest import WorkerAt
 from tests.support.trees import make_tree, tree_digests
 
 SIZES = [0, 1, 4095, 4096, 65535, 65536, 100 << 10, BUFFER_SIZE - 1, BUFFER_SIZE, BUFFER_SIZE + 1, 3 << 20]
 
 
-@pytest.fixture(params=["as root", "as a user"])
-def open_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(stable, "_AS_ROOT", request.param == "as root")
-    return str(request.param)
-
-
-def _worker(tmp_path: Path, fsync: bool = False) -> tuple[Worker, Incoming]:
-    incoming = Incoming(tmp_path / "incoming")
-    incoming.open()
-    target = Target(incoming=str(incoming.path), source_url=str(tmp_path / "src"), fsync=fsync, retry=RetryPolicy())
-    return Worker(target, threading.Event()), incoming
 
 
 def _leftovers(incoming: Incoming) -> list[str]:
@@ -39,11 +26,11 @@ def _leftovers(incoming: Incoming) -> list[str]:
 
 @pytest.mark.parametrize("fsync", [False, True])
 def test_files_of_every_size_are_staged_whole_with_their_digest_and_mtime(
-        tmp_path: Path, copy_path: str, open_path: str, fsync: bool) -> None:
+        tmp_path: Path, copy_path: str, open_path: str, fsync: bool, worker_at: WorkerAt) -> None:
     src = make_tree(tmp_path / "src", {f"d{i % 3}/f{size}.bin": size for i, size in enumerate(SIZES)})
     os.utime(src / "d1/f1.bin", ns=(1_700_000_000_123_456_789, 1_600_000_000_987_654_321))
     listed = list(Source(str(src)).listing())
-    worker, incoming = _worker(tmp_path, fsync)
+    worker, incoming = worker_at(tmp_path, fsync)
     done, err = worker.copy_batch([(f, str(src / f.rel), "") for f in listed])
     assert err is None
     want = tree_digests(src)
@@ -56,7 +43,8 @@ def test_files_of_every_size_are_staged_whole_with_their_digest_and_mtime(
     assert _leftovers(incoming) == []
 
 
-def test_the_two_paths_record_the_same_entries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_two_paths_record_the_same_entries(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, worker_at: WorkerAt) -> None:
     from stagingloader.engine import copyops
 
     assert copyops.fastcopy is not None, "the C quick path was not built"
@@ -65,7 +53,7 @@ def test_the_two_paths_record_the_same_entries(tmp_path: Path, monkeypatch: pyte
     entries = []
     for name, helper in (("c", copyops.fastcopy), ("python", None)):
         monkeypatch.setattr(copyops, "fastcopy", helper)
-        worker, _ = _worker(tmp_path / name)
+        worker, _ = worker_at(tmp_path / name)
         done, err = worker.copy_batch([(f, str(src / f.rel), "") for f in listed])
         assert err is None
         entries.append(sorted(done))
@@ -74,7 +62,7 @@ def test_the_two_paths_record_the_same_entries(tmp_path: Path, monkeypatch: pyte
 
 @pytest.mark.parametrize("swap", ["link", "fifo", "other file"])
 def test_a_file_swapped_after_listing_is_refused_and_nothing_is_left(
-        tmp_path: Path, copy_path: str, open_path: str, swap: str) -> None:
+        tmp_path: Path, copy_path: str, open_path: str, swap: str, worker_at: WorkerAt) -> None:
     src = make_tree(tmp_path / "src", {"victim.bin": 5000})
     secret = tmp_path / "secret"
     secret.write_bytes(b"SECRET-BYTES" * 400)
@@ -89,28 +77,29 @@ def test_a_file_swapped_after_listing_is_refused_and_nothing_is_left(
         victim.symlink_to(secret)
     elif swap == "fifo":
         os.mkfifo(victim)  # opening it for reading must neither hang nor be read
-    worker, incoming = _worker(tmp_path)
+    worker, incoming = worker_at(tmp_path)
     done, err = worker.copy_batch([(f, str(victim), "")])
     assert done == [] and isinstance(err, SourceChangedError) and "victim.bin" in str(err)
     assert _leftovers(incoming) == [] and not (incoming.data / "victim.bin").exists()
 
 
 def test_a_file_grown_past_the_buffer_since_listing_is_copied_the_careful_way(
-        tmp_path: Path, copy_path: str) -> None:
+        tmp_path: Path, copy_path: str, worker_at: WorkerAt) -> None:
     src = make_tree(tmp_path / "src", {"grows.bin": 1000})
     (f,) = list(Source(str(src)).listing())
     with open(src / "grows.bin", "ab") as out:  # the same inode, now larger than one read of the buffer
         out.write(os.urandom(BUFFER_SIZE + 5))
-    worker, incoming = _worker(tmp_path)
+    worker, incoming = worker_at(tmp_path)
     done, err = worker.copy_batch([(f, str(src / "grows.bin"), "")])
     assert err is None and [e[1] for e in done] == [BUFFER_SIZE + 1005]
     assert tree_digests(incoming.data) == tree_digests(src)
 
 
-def test_a_rename_the_staging_root_refuses_is_an_error_naming_the_file(tmp_path: Path, copy_path: str) -> None:
+def test_a_rename_the_staging_root_refuses_is_an_error_naming_the_file(
+        tmp_path: Path, copy_path: str, worker_at: WorkerAt) -> None:
     src = make_tree(tmp_path / "src", {"a.bin": 300, "b.bin": 700})
     listed = sorted(Source(str(src)).listing(), key=lambda f: f.rel)
-    worker, incoming = _worker(tmp_path)
+    worker, incoming = worker_at(tmp_path)
     (incoming.data / "b.bin").mkdir()  # a folder squats the name: rename(2) refuses it
     (incoming.data / "b.bin" / "x").write_bytes(b"x")
     done, err = worker.copy_batch([(f, str(src / f.rel), "") for f in listed])
