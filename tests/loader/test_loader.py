@@ -383,9 +383,11 @@ def test_worker_memory_stays_flat_over_an_epoch(tmp_path: Path) -> None:
             code = _RSS_PROBE.format(repo=repo, folder=str(folder), kind=kind)
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
             growth[kind] = int(out.stdout.split()[-1])
-        # a list of str paths is copied page by page as the worker touches it; numpy tables are not
+        # a list of str paths is copied page by page as the worker touches it (10 MiB here); numpy tables are not.
+        # A worker's heap moves by about 1 MiB over an epoch either way (allocator arenas, batches in flight:
+        # 1,048 KiB in one CI run), hence the bound of 2 MiB and a quarter of the list's
         assert growth["list"] > 4096, growth
-        assert growth["staged"] < 1024, growth
+        assert growth["staged"] < 2048 and 4 * growth["staged"] < growth["list"], growth
     finally:
         import shutil
 
