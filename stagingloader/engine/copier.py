@@ -275,9 +275,10 @@ def row_batch(listing: Listing, rows: RowArray, prefix: str) -> RowBatch:
         np.cumsum(lengths, out=at[1:])
         paths = blob[np.repeat(starts - at[:-1], lengths) + np.arange(at[-1])]
     dev = listing.dev_table[listing.dev_index[rows]]
-    return (prefix, paths.tobytes(), at.astype(np.int64).tobytes(), listing.size[rows].astype(np.int64).tobytes(),
-            listing.mtime_ns[rows].astype(np.int64).tobytes(), dev.astype(np.int64).tobytes(),
-            listing.ino[rows].astype(np.int64).tobytes())
+    ends_b, sizes_b, mtimes_b, devs_b, inos_b = (
+        c.astype(np.int64, copy=False).tobytes() for c in (at, listing.size[rows], listing.mtime_ns[rows], dev,
+                                                           listing.ino[rows]))
+    return prefix, paths.tobytes(), ends_b, sizes_b, mtimes_b, devs_b, inos_b
 
 
 class Copier:
@@ -389,11 +390,14 @@ class Copier:
         procs = self._procs
         while procs is not None:  # each job to the least busy worker that has one (a large file's ranges go to
             # the worker copying it, so the least busy may have none while another does)
-            proc, job = next(((p, j) for p in procs.free() if (j := self._next_job(p)) is not None), (None, None))
-            if proc is None or job is None:
+            for proc in procs.free():
+                job = self._next_job(proc)
+                if job is not None:
+                    procs.submit(proc, job)
+                    busy = True
+                    break
+            else:
                 break
-            procs.submit(proc, job)
-            busy = True
         if (procs is None or not procs.ready) and not self._inline:  # copy here while no worker process is up
             job = self._next_job()
             if job is not None:

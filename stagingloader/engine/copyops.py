@@ -109,6 +109,7 @@ def journal_line(path: str, size: int, mtime_ns: int, etag: str, digest: str) ->
 
 #: fastcopy.copy_rows's status of a file (see fastcopy.c)
 _COPIED, _UNUSUAL, _WRITTEN, _COPIED_UNQUOTED = 0, 1, 3, 4
+_DONE = bytes(int(code in (_COPIED, _COPIED_UNQUOTED)) for code in range(256))  #: status -> 1 if renamed in place
 
 
 Buffer = bytes | memoryview
@@ -235,13 +236,13 @@ class Worker:
         else:  # every file the Python way
             status, size_b, mtime_b, digest_b, lines = bytes([_UNUSUAL]) * n, bytes(8 * n), bytes(8 * n), \
                 bytes(16 * n), []
-        ok = bytearray(status[i] in (_COPIED, _COPIED_UNQUOTED) for i in range(n)) if status.count(0) < n else \
-            bytearray(b"\x01") * n
+        ok = bytearray(status.translate(_DONE))  # 1 where the helper copied the file
+        left = [i for i, s in enumerate(status) if s != _COPIED] if status.count(_COPIED) < n else []
         got_size, got_mtime, digests = bytearray(size_b), bytearray(mtime_b), bytearray(digest_b)
         sizes, mtimes, devs, inos = (memoryview(b).cast("q") for b in (sizes_b, mtimes_b, devs_b, inos_b))
         got_sizes, got_mtimes = memoryview(got_size).cast("q"), memoryview(got_mtime).cast("q")
         err: BaseException | None = None
-        for i in (i for i in range(n) if status[i] != _COPIED) if status.count(0) < n else ():
+        for i in left:  # the few the helper left (all, without it)
             rel = bytes(blob[offsets[i]:offsets[i + 1]]).decode("utf-8", "surrogateescape")
             path, final = f"{prefix}{rel}", f"{self.data}/{rel}"
             try:
