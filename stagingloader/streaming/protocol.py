@@ -374,16 +374,37 @@ def _read_regular(path: Path) -> bytes | None:
 
 
 def merge_orders(orders: Sequence[Rows]) -> Rows:
-    """Interleave the readers' orders by position (reader A's 1st, B's 1st, A's 2nd...), first sight wins."""
+    """Interleave the readers' orders by position (reader A's 1st, B's 1st, A's 2nd...), first sight wins.  Linear
+    in the rows (no sort): the stager merges again at every new order, 2.56 M rows for one reader's two epochs of
+    ImageNet, where a sort took 0.6 s."""
     if not orders:
         return np.empty(0, dtype=np.int64)
-    if len(orders) == 1:
-        merged = orders[0]
-    else:
-        n = max(len(o) for o in orders)
-        pos = np.concatenate([np.arange(len(o)) for o in orders])
-        who = np.concatenate([np.full(len(o), i) for i, o in enumerate(orders)])
-        rows = np.concatenate(list(orders))
-        merged = rows[np.lexsort((who, pos))] if n else rows
-    _, first = np.unique(merged, return_index=True)
-    return merged[np.sort(first)].astype(np.int64)
+    return first_sight(orders[0] if len(orders) == 1 else interleave(orders))
+
+
+def interleave(orders: Sequence[Rows]) -> Rows:
+    """Every order's 1st row (in the orders' order), then every 2nd..., skipping orders that have ended."""
+    lens = np.array([len(o) for o in orders], dtype=np.int64)
+    longest = int(lens.max(initial=0))
+    # live[p]: how many orders have a row at position p; start[p]: where position p begins in the result
+    live = len(orders) - np.cumsum(np.bincount(lens, minlength=longest + 1))[:longest]
+    start = np.cumsum(live) - live
+    out = np.empty(int(lens.sum()), dtype=np.int64)
+    before = np.zeros(longest, dtype=np.int64)  # at each position, how many earlier orders have a row there
+    for order in orders:
+        n = len(order)
+        out[start[:n] + before[:n]] = order
+        before[:n] += 1
+    return out
+
+
+def first_sight(rows: Rows) -> Rows:
+    """``rows`` without repeats, each kept where it first comes."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if not len(rows):
+        return rows
+    at = np.arange(len(rows), dtype=np.int64)
+    first = np.full(int(rows.max()) + 1, len(rows), dtype=np.int64)
+    np.minimum.at(first, rows, at)
+    kept: Rows = rows[first[rows] == at]
+    return kept

@@ -138,6 +138,20 @@ def test_merge_interleaves_readers_by_position() -> None:
     assert protocol.merge_orders([a, b]).tolist() == [5, 7, 1, 2, 3, 9]
     assert protocol.merge_orders([]).tolist() == []
     assert protocol.merge_orders([np.array([2, 2, 1], dtype=np.int64)]).tolist() == [2, 1]
+    assert protocol.merge_orders([np.empty(0, dtype=np.int64), a]).tolist() == [5, 1, 2]
+
+
+def test_merge_matches_a_plain_interleave_of_many_orders() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        orders = [rng.integers(0, 40, size=rng.integers(0, 30)).astype(np.int64)
+                  for _ in range(int(rng.integers(1, 6)))]
+        expected: list[int] = []
+        for p in range(max(len(o) for o in orders)):
+            for o in orders:
+                if p < len(o) and int(o[p]) not in expected:
+                    expected.append(int(o[p]))
+        assert protocol.merge_orders(orders).tolist() == expected
 
 
 def test_positions_are_read_and_reset_by_a_new_order(tmp_path: Path) -> None:
