@@ -193,6 +193,12 @@ class TorchDataLoader(StatefulLoader[T_co]):
         self._epoch_generator: torch.Tensor | None = None
         #: over a stage that still streams: tells the stager this rank's order at each epoch start
         self.orders: OrderPublisher | None = OrderPublisher(dataset) if OrderPublisher.wanted(dataset) else None
+        self._order_for: Any = None  #: the sampler iterator whose order was told last
+        if self.orders is not None and isinstance(self.batch_sampler, BatchSampler):
+            # the order is told before torch hands the workers their first indices: they would otherwise miss
+            # file after file, each asked for alone, until the stager hears the order
+            told = weakref.WeakMethod(self._tell_order)
+            self.batch_sampler.on_first = lambda it: (told() or (lambda _: None))(it)
 
     # ---- torch's hooks ---------------------------------------------------------------------------
     def build_iterator(self, make: Callable[[], Any]) -> Any:
@@ -257,7 +263,7 @@ class TorchDataLoader(StatefulLoader[T_co]):
                 restore(token)
         self._epoch_generator = self._generator_state()
         if self.orders is not None:
-            self._publish_order(inner)
+            self._tell_order(sampler_iterator(inner))
         it = LoaderIter(self, inner, self._main_ctx)
         self._live = weakref.ref(it)
         return it
@@ -300,14 +306,19 @@ class TorchDataLoader(StatefulLoader[T_co]):
                 self._draw_epoch_seed()
         return it
 
-    def _publish_order(self, inner: Any) -> None:
-        """Tell the streaming stager this epoch's remaining reads and the next epoch's (a hint: never fatal)."""
+    def _tell_order(self, index_iter: Any) -> None:
+        """Tell the streaming stager this epoch's remaining reads and the next epoch's (a hint: never fatal), once
+        per epoch: at the epoch's first batch (``BatchSampler.on_first``) or, failing that, once ``iter()`` made
+        torch's iterator."""
         assert self.orders is not None
+        if index_iter is self._order_for and index_iter is not None:
+            return
+        self._order_for = index_iter
         # between two epochs' orders torch draws one value from the generator (the workers' seed), except
         # with persistent workers the user asked for (stagingloader's own choice draws it as torch would)
         between = 0 if self.persistent_workers and not self._auto_persistent and self.num_workers > 0 else 1
         try:
-            self.orders.publish(sampler_iterator(inner), between=between, batch_sampler=self.batch_sampler)
+            self.orders.publish(index_iter, between=between, batch_sampler=self.batch_sampler)
         except Exception:
             log.warning("could not tell the streaming stager this loader's order; reads still wait for their "
                         "files", exc_info=True)

@@ -28,6 +28,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.utils.data as tud
 
@@ -37,6 +38,7 @@ from .torchdata_compat import NUM_YIELDED, SNAPSHOT, saved_num_workers, tensor_v
 TENSOR_TAG = "__tensor__"
 #: True while a loader makes the iterator of a loaded state (:func:`restoring`)
 _RESTORING: ContextVar[bool] = ContextVar("stagingloader_restoring", default=False)
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 @contextmanager
@@ -82,7 +84,7 @@ class _RandomIter:
         self._start: torch.Tensor | None = None
         self._chunks: list[tuple[int, int]] = []  # (size drawn, samples taken) in torch's order
         self._next_chunk = 0
-        self._chunk: list[int] = []
+        self._chunk: npt.NDArray[np.int64] = _NONE  # what is drawn and not yet yielded starts at _pos
         self._pos = 0
 
     def __iter__(self) -> _RandomIter:
@@ -108,9 +110,29 @@ class _RandomIter:
         size, take = self._chunks[self._next_chunk]
         self._next_chunk += 1
         drawn = draw(len(self.sampler.data_source), size, self.sampler.replacement, self._gen)
-        new = drawn[:take].tolist() if take else []  # drawn in full all the same: the generator moves as torch's
-        self._chunk = self._chunk[self._pos:] + new if self._pos < len(self._chunk) else new
+        new = drawn[:take].numpy() if take else _NONE  # drawn in full all the same: the generator moves as torch's
+        self._chunk = np.concatenate([self._chunk[self._pos:], new]) if self._pos < len(self._chunk) else new
         self._pos = 0
+
+    def drawn_epoch(self, *, after: bool = True) -> tuple[npt.NDArray[np.int64], torch.Tensor | None] | None:
+        """(this epoch's whole order, the generator's state after the epoch), where every index comes from the
+        epoch's first draw (the sampler's usual ``num_samples``, its length; torch then draws a permutation more
+        at the end, and drops it) and that draw is not made yet: it is made now, as the first index would make
+        it, and kept for the indices; the draws after it are made on a copy of the generator (if ``after``), which
+        moves only when torch's would.  The stager's order and the loader's then share a draw.  None otherwise."""
+        if self._gen is None:
+            self._begin()
+        assert self._gen is not None
+        if self._next_chunk or self.yielded or not self._chunks or any(take for _, take in self._chunks[1:]):
+            return None
+        self._draw()
+        if not after:
+            return self._chunk, None
+        ahead = torch.Generator()
+        ahead.set_state(self._gen.get_state())
+        for size, _ in self._chunks[1:]:
+            draw(len(self.sampler.data_source), size, self.sampler.replacement, ahead)
+        return self._chunk, ahead.get_state()
 
     def __next__(self) -> int:
         if self._gen is None:
@@ -121,7 +143,7 @@ class _RandomIter:
             self._draw()
         self._pos += 1
         self.yielded += 1
-        return self._chunk[self._pos - 1]
+        return int(self._chunk[self._pos - 1])
 
     def take(self, k: int) -> list[int]:
         """The next ``k`` indices (fewer at the end), as ``k`` calls of ``next`` would give them."""
@@ -134,7 +156,7 @@ class _RandomIter:
                     break
                 self._draw()
                 continue
-            part = self._chunk[self._pos:self._pos + k - len(out)]
+            part = self._chunk[self._pos:self._pos + k - len(out)].tolist()
             self._pos += len(part)
             out += part
         self.yielded += len(out)
@@ -146,7 +168,7 @@ class _RandomIter:
             self._begin()
         while len(self._chunk) - self._pos < k and self._next_chunk < len(self._chunks):
             self._draw()
-        return self._chunk[self._pos:self._pos + k]
+        return self._chunk[self._pos:self._pos + k].tolist()  # type: ignore[no-any-return]
 
     @property
     def epoch_start(self) -> torch.Tensor:
@@ -234,6 +256,7 @@ class _BatchIter:
         self.sampler: Any = bs.sampler
         self.batch_size, self.drop_last = bs.batch_size, bs.drop_last
         self.readahead = bs.readahead
+        self.on_first = bs.on_first
         self.samples_yielded = 0
         self.start = 0  #: the sample this iterator started its epoch at (a resumed state's position)
         self._it: Any = None  # the sampler's iterator, made at the first batch as torch makes it
@@ -255,6 +278,10 @@ class _BatchIter:
         return self._it
 
     def __next__(self) -> list[int]:
+        if self.on_first is not None:
+            first, self.on_first = self.on_first, None
+            if not _RESTORING.get():
+                first(self)
         it = self._sampler_iter()
         if self.readahead is not None:
             self._hint()
@@ -329,6 +356,9 @@ class BatchSampler(tud.BatchSampler):
     """``torch.utils.data.BatchSampler`` (same batches) whose iterator is Stateful and gives read-ahead hints."""
 
     readahead: ReadAhead | None = None
+    #: called with each epoch's iterator as torch takes its first batch, before any index reaches a worker
+    #: (not while a loaded state is put back: the state decides where the epoch starts)
+    on_first: Callable[[Any], None] | None = None
 
     def __iter__(self) -> Iterator[list[int]]:
         return _BatchIter(self)

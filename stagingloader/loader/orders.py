@@ -38,14 +38,19 @@ log = logging.getLogger("stagingloader.loader")
 POSITION_EVERY_S = 0.1  #: the reader's position is rewritten at most this often (and at each epoch start)
 
 
-def random_order(sampler: RandomSampler, start: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-    """The epoch's order a RandomSampler draws from the generator state ``start``, and the state after it."""
+def random_order(sampler: RandomSampler, start: torch.Tensor, *, after: bool = True,
+                 ) -> tuple[np.ndarray, torch.Tensor | None]:
+    """The epoch's order a RandomSampler draws from the generator state ``start``, and the state after it (None
+    if not ``after``: then the draws that give no index, torch's permutation more at the end, are not made)."""
     n, total = len(sampler.data_source), sampler.num_samples
     gen = torch.Generator()
     gen.set_state(start)
-    parts = [draw(n, size, sampler.replacement, gen)[:take].numpy() for size, take in chunks_of(n, total,
-                                                                                               sampler.replacement)]
-    return (np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)).astype(np.int64), gen.get_state()
+    chunks = chunks_of(n, total, sampler.replacement)
+    while not after and chunks and not chunks[-1][1]:
+        chunks.pop()
+    parts = [draw(n, size, sampler.replacement, gen)[:take].numpy() for size, take in chunks]
+    order = (np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)).astype(np.int64)
+    return order, gen.get_state() if after else None
 
 
 def epoch_orders(index_iter: Any, between: int, batch_sampler: Any = None,
@@ -68,14 +73,16 @@ def epoch_orders(index_iter: Any, between: int, batch_sampler: Any = None,
         this = np.arange(len(sampler), dtype=np.int64)
         return this[start:], this
     if isinstance(sampler, RandomSampler) and hasattr(it, "epoch_start"):
-        this, after = random_order(sampler, it.epoch_start)
-        if sampler.generator is None:  # the next seed comes from the global RNG, which training also draws from
+        known = sampler.generator is not None  # else the next seed comes from the global RNG, which training draws
+        drawn = it.drawn_epoch(after=known) if hasattr(it, "drawn_epoch") else None
+        this, after = drawn if drawn is not None else random_order(sampler, it.epoch_start, after=known)
+        if after is None:
             return this[start:], None
         gen = torch.Generator()
         gen.set_state(after)
         for _ in range(between):
             torch.empty((), dtype=torch.int64).random_(generator=gen)
-        return this[start:], random_order(sampler, gen.get_state())[0]
+        return this[start:], random_order(sampler, gen.get_state(), after=False)[0]
     if isinstance(sampler, tud.DistributedSampler):
         this = np.fromiter(iter(sampler), dtype=np.int64)  # drawn from seed + epoch: no shared generator moves
         ahead = copy.copy(sampler)
