@@ -63,8 +63,12 @@ class CopySettings:
     range_size: int = 8 << 20  #: large files are split into ranges of this size (a multiple of the page size)
     large_threshold: int = 32 << 20  #: files above this size are copied by ranges
     fsync: bool = False
-    small_batch_files: int = 64  #: small files per job (a streaming run: fewer, and 1 for a file needed soon)
+    small_batch_files: int = 64  #: small files per job (a streaming run from a remote source: fewer)
     batch_bytes: int = 16 << 20  #: bytes of small files per job
+    #: a job holding a file someone waits for (a streaming run's :meth:`Polled.alone`) is handed out at this many
+    #: files or bytes: at once, and the files after it come in the same job rather than one job each
+    now_batch_files: int = 1
+    now_batch_bytes: int = 1 << 20
     range_bytes_in_flight: int = 256 << 20  #: a remote source's large-file ranges held at once (threads' memory)
     processes: int | None = None  #: worker processes for a local source; None: the usable cores; 0: none
     process_min_files: int = 256  #: small files a local run pulls (without a large one) before starting them
@@ -120,6 +124,7 @@ class _Job:
     chain: bool = False  #: the range's worker also carries the file's running digest (see largefiles)
     rows: Any = None  #: small files as listing rows (numpy), and their columns for the worker
     row_batch: RowBatch | None = None
+    now: bool = False  #: it holds a file someone waits for: handed out at CopySettings.now_batch_files
 
     @property
     def files(self) -> int:
@@ -590,21 +595,26 @@ class Copier:
                 if job is not None:
                     return job
                 continue
-            if polled and feed.alone():  # needed now: in a job of its own, at once (after the batch begun so far)
-                job = _Job(items=[(f, local_path(f.rel), expected(f.rel, ""))], nbytes=f.size)
-                if not batch.items:
-                    return job
-                self._queued.append(job)
-                self._batch = _Job()
-                return batch
+            begun = None
+            if polled and feed.alone():  # needed now: in a small job, handed out soon
+                if batch.items and not batch.now:  # after the batch begun so far
+                    begun, batch = batch, _Job()
+                    self._batch = batch
+                batch.now = True
             batch.items.append((f, local_path(f.rel), expected(f.rel, "")))
             batch.nbytes += f.size
             self._pulled_small += 1
             if self._pulled_small >= s.process_min_files:
                 self._want_processes = True
-            if len(batch.items) >= s.small_batch_files or batch.nbytes >= s.batch_bytes:
+            files, nbytes = (s.now_batch_files, s.now_batch_bytes) if batch.now else (s.small_batch_files,
+                                                                                       s.batch_bytes)
+            if len(batch.items) >= files or batch.nbytes >= nbytes:
                 self._batch = _Job()
-                return batch
+                if begun is None:
+                    return batch
+                self._queued.append(batch)
+            if begun is not None:
+                return begun
         if batch.items:
             self._batch = _Job()
             return batch

@@ -78,8 +78,9 @@ class Polled(abc.ABC):
         ends); StopIteration at the end."""
 
     def alone(self) -> bool:
-        """Whether the file :meth:`take` gave last must be copied at once in a job of its own (someone waits for
-        it, or will soon), rather than in a batch that copies it after the batch's earlier files."""
+        """Whether the file :meth:`take` gave last must be copied at once (someone waits for it, or will soon): in
+        a small job (``CopySettings.now_batch_files``), rather than in a batch that copies it after the batch's
+        earlier files."""
         return False
 
 

@@ -91,12 +91,18 @@ POLL_SECONDS = 0.05
 #: open per file (25 us of CPU), paid per file at 2,000 objects a second
 REQUESTS_SECONDS = 0.002
 #: a file the readers need later than this is copied in a batch, one after the other in one copy worker; a file
-#: needed sooner goes alone, at once.  A local source's batches are a blocking stage's (CopySettings): a job of one
-#: file cost a message to a worker process and back, so a streaming stage of 1.28 M small files ran at 7,500 files a
-#: second.  An object store's are of a file per THREADS_PER_BATCH_FILE threads, at most REMOTE_BATCH_FILES: each job
-#: a thread takes costs hand-overs through the interpreter's lock that every thread waits for (16-file jobs at 128
-#: threads: half the thread switches, 20 % less CPU, for 20,000 objects at 20 ms)
+#: needed sooner goes at once, in a small job (NOW_BATCH_FILES).  A local source's batches are a blocking stage's
+#: (CopySettings): a job of one file cost a message to a worker process and back, so a streaming stage of 1.28 M
+#: small files ran at 7,500 files a second.  An object store's are of a file per THREADS_PER_BATCH_FILE threads, at
+#: most REMOTE_BATCH_FILES: each job a thread takes costs hand-overs through the interpreter's lock that every
+#: thread waits for (16-file jobs at 128 threads: half the thread switches, 20 % less CPU, for 20,000 objects at
+#: 20 ms)
 BATCH_LEAD_SECONDS = 2.0
+#: files a reader needs now go NOW_BATCH_FILES to a job from a local source: each is renamed into place as it is
+#: copied, the first as soon as it would be alone, and a first batch's 256 files no longer cost 256 messages to a
+#: worker and back (docs/benchmarks.md, "first batch"); from a remote one, one a job, whose threads fetch them side
+#: by side
+NOW_BATCH_FILES = 8
 REMOTE_BATCH_FILES = 16
 THREADS_PER_BATCH_FILE = 8
 STATE_SECONDS = 0.2
@@ -315,7 +321,8 @@ class StreamRun(Polled):
         _log_to(self.sdir / "stager.log")
         batch = (CopySettings.small_batch_files if run.source.is_local
                  else max(1, min(REMOTE_BATCH_FILES, run.workers // THREADS_PER_BATCH_FILE)))
-        settings = CopySettings(workers=run.workers, fsync=lp.incoming.fsync, small_batch_files=batch)
+        settings = CopySettings(workers=run.workers, fsync=lp.incoming.fsync, small_batch_files=batch,
+                                now_batch_files=NOW_BATCH_FILES if run.source.is_local else 1)
         copier = self.copier = Copier(run.source, lp.incoming, settings, expected=lp.expected, stop=self.stop)
         poller = threading.Thread(target=self._poll_loop, name="stagingloader-stream-poll", daemon=True)
         poller.start()

@@ -18,7 +18,7 @@ import pytest
 import stagingloader as sl
 from stagingloader.engine.copier import Copier, CopySettings
 from stagingloader.engine.copyops import journal_line
-from stagingloader.engine.feed import Direct, Feed, Wakeup
+from stagingloader.engine.feed import Direct, Feed, Polled, Wakeup
 from stagingloader.engine.incoming import Incoming
 from stagingloader.errors import SourceError
 from stagingloader.sources import source
@@ -631,3 +631,46 @@ def test_files_handed_out_one_at_a_time_are_filed_by_row(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="one listing"):
         incoming.expect(Listing.from_files(list(listing)), "d/f0.bin", 0)
     incoming.close()
+
+
+class _Waited(Polled):
+    """A polled feed (as the streaming stager's) whose files 5-14 and 30 a reader waits for."""
+
+    def __init__(self, files: list[SourceFile]) -> None:
+        self.files, self.taken = files, 0
+        self.now = {f.rel for i, f in enumerate(files) if 5 <= i < 15 or i == 30}
+
+    def take(self) -> SourceFile:
+        if self.taken == len(self.files):
+            raise StopIteration
+        self.taken += 1
+        return self.files[self.taken - 1]
+
+    def alone(self) -> bool:
+        return self.files[self.taken - 1].rel in self.now
+
+
+def test_files_needed_now_go_in_small_jobs_after_the_batch_begun(tmp_path: Path) -> None:
+    src = make_tree(tmp_path / "src", {f"d{i // 16}/f{i:03d}.bin": 100 + 37 * i for i in range(48)})
+    copier, incoming, files = _copier(src, tmp_path / "incoming", processes=0, small_batch_files=8,
+                                      now_batch_files=4)
+    files.sort(key=lambda f: f.rel)
+    feed = _Waited(files)
+    jobs: list[list[str]] = []
+    real = copier._worker.copy_batch
+
+    def recorded(items: list[Any]) -> Any:
+        jobs.append([f.rel for f, _, _ in items])
+        return real(items)
+
+    copier._worker.copy_batch = recorded  # type: ignore[method-assign]
+    copier.run(feed)
+    incoming.close()
+    assert tree_digests(incoming.data) == tree_digests(src)
+    rels = [f.rel for f in files]
+    assert [rel for job in jobs for rel in job] == rels  # each once, in the order taken
+    sizes = [len(job) for job in jobs]
+    # 0-4 begun as a batch, handed out as file 5 is needed; 5-14 four at a time (the last two, and 15-16 after
+    # them); a batch of eight; file 30 ends the batch begun at 25, then goes with the three after it
+    assert sizes == [5, 4, 4, 4, 8, 5, 4, 8, 6], sizes
+    assert all(jobs[k][0] in feed.now for k in (1, 2, 3, 6))
