@@ -14,10 +14,12 @@ TORCH ?= torch==2.13.0
 setup: $(VENV)/.installed
 
 # everything the tests need: DALI, the S3 test server, ruff, mypy (about 2 GB)
-$(VENV)/.installed: pyproject.toml setup.py stagingloader/engine/fastcopy.c stagingloader/sources/fastscan.c
+$(VENV)/.installed: pyproject.toml setup.py stagingloader/engine/fastcopy.c stagingloader/sources/fastscan.c \
+		stagingloader/cache/fastcolumns.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,dali]' '$(TORCH)'
-	@$(BIN)/python -c 'import stagingloader.engine.fastcopy, stagingloader.sources.fastscan' 2>/dev/null || echo \
+	@$(BIN)/python -c 'import stagingloader.engine.fastcopy, stagingloader.sources.fastscan, stagingloader.cache.fastcolumns' \
+		2>/dev/null || echo \
 	"note: the compiled helpers were not built (no C compiler or Python headers: apt-get install gcc python3-dev);" \
 	"small files copy, and folders are read, in Python"
 	touch $@ $(VENV)/.demo-installed

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import itertools
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, overload
 
@@ -19,6 +20,11 @@ import numpy.typing as npt
 import xxhash
 
 from .. import digest as dg
+
+try:  # the compiled run finder (fastcolumns.c); without it, numpy does the same
+    from . import fastcolumns  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - a build without a C compiler
+    fastcolumns = None
 
 Int64Array = npt.NDArray[np.int64]
 RowArray = npt.NDArray[np.signedinteger[Any]]  #: row numbers (int64, or int32 where that is enough)
@@ -213,8 +219,26 @@ class StrColumn(Sequence[str]):
 
     def first_parts(self, sep: bytes = b"/") -> tuple[list[str], Int64Array]:
         """The sorted distinct parts of the strings before the first ``sep`` ("" for a string without one), and
-        each row's index among them: a tree's top folders and each file's.  Equal parts of consecutive rows are
-        compared with numpy; a Python object is made per run of equal parts (one per folder of a sorted listing)."""
+        each row's index among them: a tree's top folders and each file's.  Rows whose part equals the row
+        before's form a run (one per folder of a sorted listing), and a Python object is made per run."""
+        n = len(self)
+        if not n:
+            return [], np.zeros(0, dtype=np.int64)
+        heads, stops = self.part_runs(sep)
+        starts = self.offsets[heads]
+        names = [decode(self.blob[a:b]) for a, b in zip(starts.tolist(), stops.tolist())]
+        classes = sorted(set(names))
+        index = {c: i for i, c in enumerate(classes)}
+        of_head = np.fromiter((index[x] for x in names), dtype=np.int64, count=len(names))
+        return classes, np.repeat(of_head, np.diff(np.append(heads, n)))
+
+    def part_runs(self, sep: bytes = b"/", *, compiled: bool = True) -> tuple[Int64Array, Int64Array]:
+        """(the row where each run of equal first parts begins, where that row's part ends in the blob): by the
+        compiled helper where it is built (and ``compiled``), else with numpy, to the same arrays."""
+        if compiled and fastcolumns is not None and not os.environ.get("STAGINGLOADER_PURE_PYTHON"):
+            heads, stops = fastcolumns.first_parts(self.blob, np.ascontiguousarray(self.offsets, dtype=np.int64),
+                                                   ord(sep))
+            return np.frombuffer(heads, dtype=np.int64), np.frombuffer(stops, dtype=np.int64)
         n = len(self)
         starts, ends = self.offsets[:-1], self.offsets[1:]
         u8 = _u8(self.blob)
@@ -225,16 +249,10 @@ class StrColumn(Sequence[str]):
         else:
             stop = starts
         parts = _gather(self.blob, starts, stop - starts)
-        if not n:
-            return [], np.zeros(0, dtype=np.int64)
-        same = _rows_equal(parts, np.arange(1, n), parts, np.arange(n - 1))
-        heads = np.concatenate([[0], np.flatnonzero(~same) + 1])
-        names = [decode(parts.raw(int(h))) for h in heads]
-        classes = sorted(set(names))
-        index = {c: i for i, c in enumerate(classes)}
-        of_head = np.fromiter((index[x] for x in names), dtype=np.int64, count=len(names))
-        group = np.cumsum(np.concatenate([[True], ~same])) - 1
-        return classes, of_head[group]
+        same = _rows_equal(parts, np.arange(1, n), parts, np.arange(n - 1)) if n else np.zeros(0, dtype=bool)
+        heads = np.concatenate([[0], np.flatnonzero(~same) + 1]).astype(np.int64) if n else \
+            np.zeros(0, dtype=np.int64)
+        return heads, stop[heads].astype(np.int64)
 
     def __repr__(self) -> str:
         return f"StrColumn({len(self)} strings, {len(self.blob)} bytes)"

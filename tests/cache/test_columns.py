@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stagingloader.cache import columns
 from stagingloader.cache.columns import DigestColumn, StrColumn, join
 
 # names with non-ASCII characters and undecodable bytes (surrogate escapes) as a POSIX file name may hold
@@ -120,3 +122,25 @@ def test_first_parts_are_the_top_folders_and_each_rows_index(values: list[str], 
     tops = [v.split("/", 1)[0] if "/" in v else "" for v in values]
     classes, codes = StrColumn.from_strs(values).first_parts(b"/")
     assert classes == sorted(set(tops)) and codes.tolist() == [classes.index(t) for t in tops]
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts, st.booleans(), st.sampled_from([b"/", b"a", b"\x00"]))
+def test_the_compiled_runs_of_first_parts_are_numpys(values: list[str], ordered: bool, sep: bytes) -> None:
+    assert columns.fastcolumns is not None, "the compiled column helper (cache/fastcolumns.c) was not built"
+    if ordered:
+        values = sorted(values, key=_b)
+    col = StrColumn.from_strs(values)
+    heads, stops = col.part_runs(sep)
+    pure_heads, pure_stops = col.part_runs(sep, compiled=False)
+    assert heads.tolist() == pure_heads.tolist() and stops.tolist() == pure_stops.tolist()
+    parts = [_b(v).split(sep, 1)[0] if sep in _b(v) else b"" for v in values]
+    assert heads.tolist() == [i for i in range(len(parts)) if i == 0 or parts[i] != parts[i - 1]]
+
+
+def test_the_compiled_runs_refuse_offsets_outside_the_blob() -> None:
+    assert columns.fastcolumns is not None
+    with pytest.raises(ValueError, match="outside the blob"):
+        columns.fastcolumns.first_parts(b"ab/c", np.array([0, 2, 9], dtype=np.int64), ord("/"))
+    with pytest.raises(ValueError, match="int64"):
+        columns.fastcolumns.first_parts(b"ab/c", b"\0" * 7, ord("/"))
