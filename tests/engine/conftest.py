@@ -3,6 +3,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,3 +46,23 @@ def worker_at() -> WorkerAt:
         target = Target(incoming=str(incoming.path), source_url=str(where / "src"), fsync=fsync, retry=RetryPolicy())
         return Worker(target, threading.Event()), incoming
     return make
+
+
+JobsOf = Callable[[Any], list[list[str]]]
+
+
+@pytest.fixture
+def jobs_of() -> JobsOf:
+    """``jobs_of(copier)``: the list that each batch job the copier's in-process worker runs is appended to (the
+    relative paths of its files, in the job's order)."""
+    def record(copier: Any) -> list[list[str]]:
+        jobs: list[list[str]] = []
+        real = copier._worker.copy_batch
+
+        def recorded(items: list[Any]) -> Any:
+            jobs.append([f.rel for f, _, _ in items])
+            return real(items)
+
+        copier._worker.copy_batch = recorded
+        return jobs
+    return record

@@ -23,6 +23,7 @@ from stagingloader.engine.incoming import Incoming
 from stagingloader.errors import SourceError
 from stagingloader.sources import source
 from stagingloader.sources.source import Source, SourceFile
+from tests.engine.conftest import JobsOf
 from tests.support.trees import make_tree, tree_digests
 
 
@@ -650,20 +651,13 @@ class _Waited(Polled):
         return self.files[self.taken - 1].rel in self.now
 
 
-def test_files_needed_now_go_in_small_jobs_after_the_batch_begun(tmp_path: Path) -> None:
+def test_files_needed_now_go_in_small_jobs_after_the_batch_begun(tmp_path: Path, jobs_of: JobsOf) -> None:
     src = make_tree(tmp_path / "src", {f"d{i // 16}/f{i:03d}.bin": 100 + 37 * i for i in range(48)})
     copier, incoming, files = _copier(src, tmp_path / "incoming", processes=0, small_batch_files=8,
                                       now_batch_files=4)
     files.sort(key=lambda f: f.rel)
     feed = _Waited(files)
-    jobs: list[list[str]] = []
-    real = copier._worker.copy_batch
-
-    def recorded(items: list[Any]) -> Any:
-        jobs.append([f.rel for f, _, _ in items])
-        return real(items)
-
-    copier._worker.copy_batch = recorded  # type: ignore[method-assign]
+    jobs = jobs_of(copier)
     copier.run(feed)
     incoming.close()
     assert tree_digests(incoming.data) == tree_digests(src)

@@ -15,6 +15,7 @@ from stagingloader.engine.copier import Copier, CopySettings
 from stagingloader.engine.feed import Polled
 from stagingloader.engine.incoming import Incoming
 from stagingloader.sources.source import Source
+from tests.engine.conftest import JobsOf
 from tests.support.s3server import S3Server, isolated_s3
 from tests.support.trees import content, tree_digests
 
@@ -115,7 +116,8 @@ class PolledListing(Polled):
         return self.taken % 11 == 3
 
 
-def test_a_polled_feed_batches_files_and_sends_a_waited_file_alone_at_once(s3: S3Server, tmp_path: Path) -> None:
+def test_a_polled_feed_batches_files_and_sends_a_waited_file_alone_at_once(s3: S3Server, tmp_path: Path,
+                                                                          jobs_of: JobsOf) -> None:
     source = Source(f"s3://{BUCKET}/ds", s3.storage_options())
     files = list(source.listing())
     feed = PolledListing(files)
@@ -123,14 +125,7 @@ def test_a_polled_feed_batches_files_and_sends_a_waited_file_alone_at_once(s3: S
     incoming.open()
     settings = CopySettings(workers=16, range_size=256 << 10, large_threshold=1 << 20, small_batch_files=8)
     copier = Copier(source, incoming, settings)
-    jobs: list[list[str]] = []
-    real = copier._worker.copy_batch
-
-    def recorded(items: list[Any]) -> Any:
-        jobs.append([f.rel for f, _, _ in items])
-        return real(items)
-
-    copier._worker.copy_batch = recorded  # type: ignore[method-assign]
+    jobs = jobs_of(copier)
     done: list[Entry] = []
     copier.run(feed, on_done=done.extend)
     incoming.close()
