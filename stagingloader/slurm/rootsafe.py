@@ -36,6 +36,9 @@ from .. import procid
 from ..errors import CacheError
 
 _MAX_LINKS = 8
+#: a folder root made a moment ago for a user is root's until that hook gives it away: another hook that finds it
+#: then (two jobs' prologs on one node) waits this long for the owner to change before it refuses the folder
+GIVING_S = 2.0
 
 
 def owner(uid: int) -> str:
@@ -143,7 +146,8 @@ def ensure_dir(path: Path, mode: int, uid: int, gid: int) -> None:
     """Create ``path`` (in a folder root owns) or check it is a real folder owned by ``uid``; set its mode.
 
     Every change goes through a descriptor opened with ``O_NOFOLLOW``: a link planted in its place is
-    refused, never followed.
+    refused, never followed.  A folder root owns where ``uid``'s is wanted is waited on for ``GIVING_S`` (another
+    hook made it and gives it away next), then refused.
     """
     created = False
     try:
@@ -159,6 +163,10 @@ def ensure_dir(path: Path, mode: int, uid: int, gid: int) -> None:
         if created:
             os.fchown(fd, uid, gid)
         st = os.fstat(fd)
+        deadline = time.monotonic() + GIVING_S
+        while st.st_uid != uid and st.st_uid in _trusted_uids() and time.monotonic() < deadline:
+            time.sleep(0.01)  # root's own: the hook that made it may be about to give it to its owner
+            st = os.fstat(fd)
         if st.st_uid != uid:
             raise _refuse(path, f"not a folder owned by {owner(uid)}")
         if stat.S_IMODE(st.st_mode) != mode:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,6 +72,45 @@ def test_ensure_dir_never_follows_a_link(top: Path) -> None:
     with pytest.raises(CacheError, match="symbolic link"):
         rootsafe.ensure_dir(top / "d", 0o755, 1234, 1234)
     assert victim.stat().st_uid == 0 and victim.stat().st_mode & 0o777 == 0o700
+
+
+def test_two_hooks_making_one_users_folder_both_get_it(top: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two jobs' prologs on one node: the second finds the folder the first has just made, still root's for the
+    moment before the first gives it to the user, and waits for that rather than refusing it."""
+    user = ensure_user("sltest")
+    made, go_on = threading.Event(), threading.Event()
+    fchown = os.fchown
+
+    def slow_fchown(fd: int, uid: int, gid: int) -> None:
+        made.set()
+        go_on.wait(10)
+        fchown(fd, uid, gid)
+
+    monkeypatch.setattr(rootsafe.os, "fchown", slow_fchown)
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            rootsafe.ensure_dir(top / "u", 0o700, user.pw_uid, user.pw_gid)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert made.wait(10)
+    threading.Timer(0.3, go_on.set).start()
+    rootsafe.ensure_dir(top / "u", 0o700, user.pw_uid, user.pw_gid)  # finds it root's: waits for the hand-over
+    t.join(10)
+    assert not errors and (top / "u").stat().st_uid == user.pw_uid
+
+
+def test_a_users_folder_root_left_as_its_own_is_refused(top: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    user = ensure_user("sltest")
+    monkeypatch.setattr(rootsafe, "GIVING_S", 0.2)
+    _dir(top / "u", 0o700)  # an admin's, or a hook's that died before it gave the folder away
+    with pytest.raises(CacheError, match="not a folder owned by sltest"):
+        rootsafe.ensure_dir(top / "u", 0o700, user.pw_uid, user.pw_gid)
+    assert (top / "u").stat().st_uid == 0
 
 
 def test_only_the_recorded_leader_is_ours() -> None:
