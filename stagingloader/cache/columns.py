@@ -240,6 +240,8 @@ class StrColumn(Sequence[str]):
                                                    ord(sep))
             return np.frombuffer(heads, dtype=np.int64), np.frombuffer(stops, dtype=np.int64)
         n = len(self)
+        if not n:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         starts, ends = self.offsets[:-1], self.offsets[1:]
         u8 = _u8(self.blob)
         at = np.flatnonzero(u8 == ord(sep))
@@ -249,9 +251,8 @@ class StrColumn(Sequence[str]):
         else:
             stop = starts
         parts = _gather(self.blob, starts, stop - starts)
-        same = _rows_equal(parts, np.arange(1, n), parts, np.arange(n - 1)) if n else np.zeros(0, dtype=bool)
-        heads = np.concatenate([[0], np.flatnonzero(~same) + 1]).astype(np.int64) if n else \
-            np.zeros(0, dtype=np.int64)
+        same = _rows_equal(parts, np.arange(1, n), parts, np.arange(n - 1))
+        heads = np.concatenate([[0], np.flatnonzero(~same) + 1]).astype(np.int64)
         return heads, stop[heads].astype(np.int64)
 
     def __repr__(self) -> str:
