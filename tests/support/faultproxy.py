@@ -113,6 +113,9 @@ class FaultProxy:
         self._seen: dict[tuple[str, str], int] = {}
         self.handler_errors: list[str] = []  # exceptions in handler threads (client went away...)
         self.log: list[tuple[str, str]] = []  #: (method, path) of each request, in the order they passed the holds
+        #: (method, path) of each request in the order it arrived, before any hold: the order a client asked in,
+        #: whatever order held requests are let go in
+        self.arrivals: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._always: list[tuple[str, int]] = []
         self._holds: list[_Hold] = []
@@ -126,9 +129,11 @@ class FaultProxy:
         return cls(host, int(port), error_rate=0.0, drop_rate=0.0, **kwargs)
 
     def gets_under(self, prefix: str, names: Collection[str]) -> list[str]:
-        """``names`` (paths after ``prefix``) in the order the server was first asked for them by a GET."""
+        """``names`` (paths after ``prefix``) in the order the proxy was first asked for them by a GET.
+
+        The order of arrival, not of passing: requests held together (``hold``) are let go in no set order."""
         out: list[str] = []
-        for method, path in self.log:
+        for method, path in self.arrivals:
             name = path.split(prefix, 1)[-1]
             if method == "GET" and prefix in path and name in names and name not in out:
                 out.append(name)
@@ -156,9 +161,11 @@ class FaultProxy:
             self._holds.append(_Hold(substring, after, action))
 
     def _wait_for_holds(self, method: str, target: str, ranged: bool) -> None:
+        path = target.split("?", 1)[0]
+        with self._lock:
+            self.arrivals.append((method, path))
         if method != "GET" or not ranged:
             return
-        path = target.split("?", 1)[0]
         for h in list(self._holds):
             if h.substring in path:
                 h.pass_or_wait()
