@@ -15,9 +15,9 @@ For each dataset (``large``: 4 x 1 GiB, ``small``: 20,000 x 100 KiB, ``tiny``: 2
   copied file (``find -print0 | sort -z | xargs -0 xxh128sum``), then ``cmp`` of the two lists;
 * the ceiling: a C writer (benchmarks/ceiling_writer.c) writing the same files and bytes from one
   in-memory buffer with 2 threads: no reading, no hashing;
-* the copy floor: the same C program reading each file from the source, hashing it (xxh3-128)
-  and writing it, with 2 threads: what any verifying copy must do, with no start-up and no
-  bookkeeping.
+* the copy floor: the same C program reading each file from the source through a 128 KiB buffer
+  (one that stays in the core's cache), hashing it (xxh3-128) and writing it, with 2 threads: what
+  any verifying copy must do, with no start-up and no bookkeeping.
 
 Protocol: the source (generated once under --data, deterministic random bytes) is read before
 each dataset so that every method reads it from the page cache.  Each run writes into an empty
